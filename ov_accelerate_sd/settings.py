@@ -1,0 +1,86 @@
+"""Settings of the Stable Diffusion layer: one frozen, validated object and its builder.
+
+The SD layer's options are a small superset of what the WebUI script offers (device, precision,
+caching, cache folder, which parts run through OpenVINO). ``to_backend_options`` maps them to
+the option dict that ``ov_backend.build_settings`` takes, so both entry points configure the
+backend the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = ("auto", "f32")
+PARTS = ("text_encoder", "unet", "vae")
+
+
+@dataclasses.dataclass(frozen=True)
+class SDSettings:
+    """How the Stable Diffusion layer routes a pipeline through ov_backend."""
+
+    device: str = "CPU"
+    """OpenVINO device name ("CPU", "GPU", "AUTO", ...); checked by ov_backend."""
+    precision: str = "auto"
+    """"auto" lets the plugin choose (bf16 on CPUs that have it); "f32" forces f32 inference."""
+    model_caching: bool = True
+    """Store compiled models on disk so a later run skips conversion."""
+    cache_dir: str | None = None
+    """Folder of the compiled-model cache; None means ov_backend's per-user default."""
+    accelerate: tuple[str, ...] = PARTS
+    """The parts that run through OpenVINO; the others stay in PyTorch (any of ``PARTS``)."""
+    prediction_type: str | None = None
+    """Override of the checkpoint's prediction type ("epsilon" or "v_prediction"); None: detect."""
+
+    def to_backend_options(self) -> dict[str, Any]:
+        """Return the option dict for ``ov_backend.build_settings``."""
+        options: dict[str, Any] = {"device": self.device, "model_caching": self.model_caching}
+        if self.cache_dir is not None:
+            options["cache_dir"] = self.cache_dir
+        if self.precision == "f32":
+            options["config"] = {"INFERENCE_PRECISION_HINT": "f32"}
+        return options
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SDSettings))
+
+
+def build_sd_settings(options: Mapping[str, Any] | None = None) -> SDSettings:
+    """Build validated settings from a plain mapping.
+
+    Args:
+        options: keys among the fields of ``SDSettings``; missing keys take the defaults.
+
+    Returns:
+        The frozen settings.
+
+    Raises:
+        ValueError: an unknown key (named) or a value out of range (with the valid ones).
+    """
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown SD setting(s) {unknown}; valid keys: {list(_FIELDS)}")
+    if "accelerate" in options:
+        parts = options["accelerate"]
+        if isinstance(parts, str):
+            parts = [p for p in parts.split(",") if p.strip()]
+        parts = tuple(sorted({str(p).strip() for p in parts}))
+        bad = [p for p in parts if p not in PARTS]
+        if bad:
+            raise ValueError(f"unknown part(s) to accelerate {bad}; valid: {list(PARTS)}")
+        options["accelerate"] = parts
+    settings = SDSettings(**options)
+    if settings.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {settings.precision!r}")
+    if not isinstance(settings.device, str) or not settings.device:
+        raise ValueError(f"device must be a non-empty device name, got {settings.device!r}")
+    if settings.prediction_type not in (None, "epsilon", "v_prediction"):
+        raise ValueError(
+            f"prediction_type must be 'epsilon', 'v_prediction' or None, got {settings.prediction_type!r}"
+        )
+    return settings
