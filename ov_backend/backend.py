@@ -1,0 +1,139 @@
+"""The torch.compile backend: :class:`OVBackend` instances and the named ``ov_backend`` entry.
+
+``torch.compile(m, backend=OVBackend(settings))`` keeps every compiled graph, report and
+counter in that instance (``reset()`` drops them). ``torch.compile(m, backend="ov_backend",
+options={...})`` builds an instance for each captured graph from the options.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import openvino as ov
+import torch
+
+from ov_backend.cache import ModelCache
+from ov_backend.compiled import CompiledGraph, InputKind, classify_inputs
+from ov_backend.ops import decomposition_table
+from ov_backend.report import CompileReport, Stats
+from ov_backend.settings import BackendSettings, build_settings
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "ov_backend"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class OVBackend:
+    """A torch.compile backend on OpenVINO, holding its compiled graphs and reports.
+
+    Args:
+        settings: a :class:`BackendSettings`, or an options mapping validated by
+            :func:`build_settings`.
+    """
+
+    def __init__(self, settings: BackendSettings | Mapping[str, Any] | None = None) -> None:
+        self.settings = settings if isinstance(settings, BackendSettings) else build_settings(settings)
+        self.core = ov.Core()
+        self.cache = ModelCache(self.settings.cache_dir)
+        self.stats_counter = Stats()
+        self.versions = {"openvino": ov.get_version(), "torch": torch.__version__,
+                         "ov_backend": _version("sd-webui-openvino-accelerate")}
+        self._lock = threading.Lock()
+        self._reports: list[CompileReport] = []
+        self._graphs: list[CompiledGraph] = []
+
+    # -- dynamo entry -------------------------------------------------------------------------
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        kinds = classify_inputs(gm)
+        if self.settings.aot_autograd:
+            return self._through_aot(gm, example_inputs, kinds)
+        return self._register(CompiledGraph(gm, example_inputs, kinds, self, self._next_name()))
+
+    def _next_name(self) -> str:
+        with self._lock:
+            return f"graph {len(self._graphs)}"
+
+    def _register(self, graph: CompiledGraph) -> CompiledGraph:
+        with self._lock:
+            self._graphs.append(graph)
+        return graph
+
+    def _through_aot(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                     kinds: list[InputKind]) -> Callable[..., Any]:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def forward_compiler(fw_gm: torch.fx.GraphModule, fw_inputs: Sequence[Any]) -> Callable[..., Any]:
+            if len(fw_inputs) == len(kinds):
+                fw_kinds = [k if k.kind == "weight" else InputKind("user") for k in kinds]
+            else:
+                logger.info("AOTAutograd changed the graph inputs (%d -> %d); weights are passed per call",
+                            len(kinds), len(fw_inputs))
+                fw_kinds = [InputKind("user")] * len(fw_inputs)
+            graph = self._register(CompiledGraph(fw_gm, fw_inputs, fw_kinds, self, self._next_name()))
+            return make_boxed_func(graph)
+
+        def backward_compiler(bw_gm: torch.fx.GraphModule, bw_inputs: Sequence[Any]) -> Callable[..., Any]:
+            logger.info("ov_backend runs backward graphs in PyTorch")
+            return make_boxed_func(bw_gm)
+
+        return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+                            decompositions=decomposition_table(self.settings.decompositions))(gm, example_inputs)
+
+    # -- services for compiled graphs -----------------------------------------------------------------
+    def compile_model(self, model: ov.Model) -> ov.CompiledModel:
+        """Compile for the configured device, with OpenVINO's blob cache when caching is on."""
+        config = self.settings.config_dict
+        if self.settings.model_caching and "CACHE_DIR" not in config:
+            config["CACHE_DIR"] = str(self.cache.blob_dir)
+        return self.core.compile_model(model, self.settings.device, config)
+
+    def cache_load(self, key: str) -> ov.Model | None:
+        if not self.settings.model_caching:
+            return None
+        model = self.cache.load(key, self.core)
+        self.stats_counter.add(**({"cache_hits": 1} if model is not None else {"cache_misses": 1}))
+        return model
+
+    def cache_store(self, key: str, model: ov.Model, description: str) -> None:
+        if self.settings.model_caching:
+            self.cache.store(key, model, description)
+
+    def add_report(self, report: CompileReport) -> None:
+        with self._lock:
+            self._reports.append(report)
+
+    # -- public state -----------------------------------------------------------------------------
+    @property
+    def reports(self) -> list[CompileReport]:
+        """Every compile this backend did, oldest first."""
+        with self._lock:
+            return list(self._reports)
+
+    def stats(self) -> dict[str, float]:
+        """Counters: compile_seconds, run_seconds, ov_calls, eager_calls, cache_hits, cache_misses, compiles."""
+        return self.stats_counter.snapshot()
+
+    def reset(self) -> None:
+        """Drop compiled graphs, reports and counters (call ``torch._dynamo.reset()`` too to recapture)."""
+        with self._lock:
+            self._graphs.clear()
+            self._reports.clear()
+        self.stats_counter.reset()
+
+
+def ov_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+               options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    """The named backend: ``torch.compile(m, backend="ov_backend", options={...})``."""
+    return OVBackend(build_settings(options))(gm, example_inputs)

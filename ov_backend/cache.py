@@ -1,0 +1,251 @@
+"""The on-disk cache of converted OpenVINO models.
+
+Layout under the cache folder::
+
+    models/<key>/model.xml, model.bin, meta.json   one converted model per entry
+    blobs/                                          OpenVINO's own CACHE_DIR (compiled blobs)
+
+An entry is written into a temporary folder and renamed into place, and ``meta.json`` (with
+the size and hash of every file) is written last, so a process killed mid-write leaves
+nothing that is trusted later. An entry whose files do not match its ``meta.json`` is
+reported, removed and rebuilt. The modification time of ``meta.json`` is the entry's last
+use; :meth:`ModelCache.prune` removes the least recently used entries first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openvino as ov
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+_MODEL_FILES = ("model.xml", "model.bin")
+_META = "meta.json"
+_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One item in the cache.
+
+    Attributes:
+        key: the entry's key (folder name), or "blobs/<file>" for OpenVINO's compiled blobs.
+        path: where it lives.
+        size_bytes: its size on disk.
+        last_used: seconds since the epoch of its last load or store.
+        description: what was cached (graph, input signature, device).
+    """
+
+    key: str
+    path: Path
+    size_bytes: int
+    last_used: float
+    description: str = ""
+
+
+def make_key(parts: Mapping[str, Any]) -> str:
+    """A stable key for ``parts`` (any JSON-serialisable mapping)."""
+    payload = json.dumps({"format": CACHE_FORMAT, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:40]
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=20)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _dir_size(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+class ModelCache:
+    """Converted models on disk, keyed by everything that changes what they compute.
+
+    Args:
+        root: the cache folder (created on first store).
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def blob_dir(self) -> Path:
+        """The folder handed to OpenVINO as CACHE_DIR."""
+        return self.root / "blobs"
+
+    def _entry_dir(self, key: str) -> Path:
+        if not key or "/" in key or key.startswith("."):
+            raise ValueError(f"invalid cache key {key!r}")
+        return self.models_dir / key
+
+    def _verify(self, entry: Path) -> str | None:
+        """Why the entry cannot be trusted, or None if its files match its meta.json."""
+        try:
+            meta = json.loads((entry / _META).read_text())
+        except (OSError, ValueError) as err:
+            return f"unreadable {_META}: {err}"
+        files = meta.get("files")
+        if meta.get("format") != CACHE_FORMAT or not isinstance(files, dict):
+            return "unknown entry format"
+        for name in _MODEL_FILES:
+            info = files.get(name)
+            path = entry / name
+            if not info or not path.is_file():
+                return f"{name} is missing"
+            size = path.stat().st_size
+            if size != info.get("size"):
+                return f"{name} is {size} bytes, expected {info.get('size')} (truncated?)"
+            if _file_digest(path) != info.get("blake2b"):
+                return f"{name} does not match its checksum (corrupted)"
+        return None
+
+    def load(self, key: str, core: ov.Core) -> ov.Model | None:
+        """The model stored under ``key``, or None when absent or untrustworthy (then removed)."""
+        entry = self._entry_dir(key)
+        if not entry.is_dir():
+            return None
+        problem = self._verify(entry)
+        if problem is not None:
+            logger.warning("OpenVINO cache entry %s is damaged (%s); removing it and converting again",
+                           entry, problem)
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+        try:
+            model = core.read_model(str(entry / "model.xml"), str(entry / "model.bin"))
+        except RuntimeError as err:
+            logger.warning("OpenVINO cache entry %s could not be read (%s); removing it", entry, err)
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+        try:
+            os.utime(entry / _META)
+        except OSError:
+            pass
+        return model
+
+    def store(self, key: str, model: ov.Model, description: str = "") -> Path | None:
+        """Write ``model`` under ``key`` atomically; returns the entry, or None if writing failed.
+
+        A failure (disk full, permissions) is logged as a WARNING and never raised: the caller
+        keeps its compiled model either way.
+        """
+        final = self._entry_dir(key)
+        if final.is_dir():
+            return final
+        tmp: Path | None = None
+        try:
+            self.models_dir.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:8]}-{uuid.uuid4().hex[:6]}-", dir=self.models_dir))
+            ov.serialize(model, str(tmp / "model.xml"), str(tmp / "model.bin"))
+            files = {name: {"size": (tmp / name).stat().st_size, "blake2b": _file_digest(tmp / name)}
+                     for name in _MODEL_FILES}
+            meta = {"format": CACHE_FORMAT, "key": key, "description": description,
+                    "created": time.time(), "files": files}
+            with open(tmp / _META, "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if final.is_dir():  # another process stored the same entry first
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    return final
+                raise
+            return final
+        except (OSError, RuntimeError) as err:
+            logger.warning("could not write OpenVINO cache entry %s: %s; continuing without it", final, err)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return None
+
+    def entries(self) -> list[CacheEntry]:
+        """Every entry (converted models and OpenVINO blobs), most recently used first."""
+        found: list[CacheEntry] = []
+        if self.models_dir.is_dir():
+            for entry in self.models_dir.iterdir():
+                if not entry.is_dir() or entry.name.startswith("."):
+                    continue
+                try:
+                    meta = json.loads((entry / _META).read_text())
+                    last_used = (entry / _META).stat().st_mtime
+                except (OSError, ValueError):
+                    meta, last_used = {}, entry.stat().st_mtime
+                found.append(CacheEntry(entry.name, entry, _dir_size(entry), last_used,
+                                        str(meta.get("description", "(damaged)" if not meta else ""))))
+        if self.blob_dir.is_dir():
+            for blob in self.blob_dir.iterdir():
+                if blob.is_file():
+                    st = blob.stat()
+                    found.append(CacheEntry(f"blobs/{blob.name}", blob, st.st_size, st.st_mtime,
+                                            "OpenVINO compiled blob"))
+        return sorted(found, key=lambda e: e.last_used, reverse=True)
+
+    def total_bytes(self) -> int:
+        """The size of the whole cache folder, temporary files included."""
+        return _dir_size(self.root) if self.root.is_dir() else 0
+
+    def _remove(self, entry: CacheEntry) -> None:
+        if entry.path.is_dir():
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            entry.path.unlink(missing_ok=True)
+
+    def clear(self, keys: Iterable[str] | None = None) -> list[str]:
+        """Remove the given entries (all, with ``keys=None``, leftovers included); returns the keys removed."""
+        if keys is None:
+            removed = [e.key for e in self.entries()]
+            for sub in (self.models_dir, self.blob_dir):
+                shutil.rmtree(sub, ignore_errors=True)
+            return removed
+        wanted = set(keys)
+        removed = []
+        for entry in self.entries():
+            if entry.key in wanted:
+                self._remove(entry)
+                removed.append(entry.key)
+        unknown = wanted - set(removed)
+        if unknown:
+            raise KeyError(f"no cache entries named {', '.join(sorted(unknown))} in {self.root}")
+        return removed
+
+    def prune(self, max_bytes: int) -> list[str]:
+        """Remove least recently used entries until the cache holds at most ``max_bytes``."""
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        entries = self.entries()
+        total = sum(e.size_bytes for e in entries)
+        removed = []
+        for entry in reversed(entries):  # oldest first
+            if total <= max_bytes:
+                break
+            self._remove(entry)
+            total -= entry.size_bytes
+            removed.append(entry.key)
+        return removed

@@ -1,0 +1,162 @@
+"""From an FX graph to OpenVINO models: tracing, partitioning and frontend conversion.
+
+Two routes, both through openvino's public PyTorch frontend:
+
+* static: the graph is traced to aten ops for one input signature with the weights as
+  constants (:func:`trace_static`), split into OpenVINO-supported partitions
+  (:func:`partition`), and each partition is converted (:func:`convert_partition`);
+* dynamic: the whole graph is exported with ``torch.export`` with its symbolic dimensions
+  kept dynamic and converted once (:func:`convert_dynamic`); each input shape then costs only
+  a reshape and a compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import openvino as ov
+import torch
+from openvino.frontend import FrontEndManager, OpConversionFailure
+from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+
+from ov_backend.ops import OpenVINOSupport, node_op_name
+
+logger = logging.getLogger(__name__)
+
+_UNCONVERTED = re.compile(r"No conversion rule found for operations:\s*(.+)")
+
+
+class ConversionError(RuntimeError):
+    """The OpenVINO frontend could not convert a graph.
+
+    Attributes:
+        unconverted: op names the frontend reported as having no conversion rule.
+    """
+
+    def __init__(self, message: str, unconverted: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.unconverted = tuple(unconverted)
+
+
+def trace_static(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
+                 decompositions: dict[Any, Callable[..., Any]]) -> torch.fx.GraphModule:
+    """Trace ``fn(*inputs)`` to an aten graph for exactly these input shapes.
+
+    Tensors ``fn`` reaches through its closure (the weights) become constants of the graph.
+    """
+    with torch.no_grad():
+        return make_fx(fn, decomposition_table=decompositions, tracing_mode="real")(*inputs)
+
+
+def _inline_constants(parent: torch.fx.GraphModule, call: torch.fx.Node) -> None:
+    """Move ``get_attr`` arguments of a fused submodule into it, so weights stay constants."""
+    sub = parent.get_submodule(str(call.target))
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    new_args = []
+    for index, (arg, ph) in enumerate(zip(call.args, placeholders)):
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+            value = _get_attr(parent, str(arg.target))
+            attr = f"_ov_const_{index}"
+            if isinstance(value, torch.Tensor):
+                sub.register_buffer(attr, value, persistent=False)
+            else:
+                setattr(sub, attr, value)
+            with sub.graph.inserting_before(ph):
+                node = sub.graph.get_attr(attr)
+            node.meta = dict(ph.meta)
+            ph.replace_all_uses_with(node)
+            sub.graph.erase_node(ph)
+        else:
+            new_args.append(arg)
+    call.args = tuple(new_args)
+    sub.recompile()
+
+
+def _get_attr(module: torch.nn.Module, target: str) -> Any:
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def partition(gm: torch.fx.GraphModule, support: OpenVINOSupport) -> tuple[torch.fx.GraphModule, list[str]]:
+    """Group supported nodes into ``fused_N`` submodules; returns the graph and their names.
+
+    Weights used by a partition are moved into it as constants.
+    """
+    partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
+    partitions = partitioner.propose_partitions()
+    # a partition made only of python size arithmetic is not worth a model of its own
+    partitions = [p for p in partitions
+                  if any(not node_op_name(n).startswith("_operator.") for n in p.nodes)]
+    fused = partitioner.fuse_partitions(partitions)
+    names = []
+    for node in list(fused.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("fused_"):
+            _inline_constants(fused, node)
+            names.append(str(node.target))
+    fused.graph.eliminate_dead_code()
+    fused.delete_all_unused_submodules()
+    fused.recompile()
+    return fused, names
+
+
+def _frontend_convert(decoder: TorchFXPythonDecoder) -> ov.Model:
+    frontend = FrontEndManager().load_by_framework("pytorch")
+    try:
+        # keep ``decoder`` referenced until conversion ends: the frontend calls back into it
+        return frontend.convert(frontend.load(decoder))
+    except OpConversionFailure as err:
+        found = _UNCONVERTED.search(str(err))
+        names = [n.strip() for n in found.group(1).split(",")] if found else []
+        raise ConversionError(f"OpenVINO could not convert the graph: {str(err).strip()}", names) from err
+    except (RuntimeError, TypeError, ValueError, KeyError) as err:
+        raise ConversionError(f"OpenVINO could not convert the graph: {err}") from err
+
+
+def convert_partition(sub: torch.fx.GraphModule) -> ov.Model:
+    """Convert one partition (an FX graph of supported aten ops, constants inlined)."""
+    decoder = TorchFXPythonDecoder(sub)
+    model = _frontend_convert(decoder)
+    del decoder
+    return model
+
+
+def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
+                    dynamic_dims: Sequence[Sequence[int]]) -> ov.Model:
+    """Export ``fn`` with the given dimensions of each input dynamic and convert it once.
+
+    Args:
+        fn: takes exactly ``inputs``; weights reached through its closure become constants.
+        inputs: example tensors.
+        dynamic_dims: for each input, the dimensions to keep dynamic.
+
+    Raises:
+        ConversionError: export or conversion failed.
+    """
+    from torch.export import Dim, export
+
+    class _Wrapper(torch.nn.Module):
+        def forward(self, *args: torch.Tensor) -> Any:
+            return fn(*args)
+
+    shapes = tuple({d: Dim.AUTO for d in dims} or None for dims in dynamic_dims)
+    try:
+        with torch.no_grad():
+            program = export(_Wrapper(), tuple(inputs), dynamic_shapes=(shapes,), strict=False)
+    except Exception as err:  # torch.export raises many kinds; all mean "cannot export"
+        raise ConversionError(f"torch.export could not capture the graph: {type(err).__name__}: {err}") \
+            from err
+    try:
+        return ov.convert_model(program)
+    except OpConversionFailure as err:
+        found = _UNCONVERTED.search(str(err))
+        names = [n.strip() for n in found.group(1).split(",")] if found else []
+        raise ConversionError(f"OpenVINO could not convert the exported graph: {err}", names) from err
+    except Exception as err:  # the converter raises plain Exceptions for unsupported programs
+        raise ConversionError(f"OpenVINO could not convert the exported graph: {err}") from err

@@ -1,0 +1,87 @@
+"""OpenVINO devices: which are present, their full names, and device-string validation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import openvino as ov
+
+logger = logging.getLogger(__name__)
+
+#: Device prefixes that take a comma-separated list of devices after the colon.
+MULTI_DEVICE_PREFIXES: tuple[str, ...] = ("AUTO", "BATCH", "HETERO", "MULTI")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device OpenVINO sees.
+
+    Attributes:
+        name: the name ``compile_model`` takes, e.g. "GPU.0".
+        full_name: the marketing name, e.g. "Intel(R) Arc(TM) A770 Graphics".
+        capabilities: the device's OPTIMIZATION_CAPABILITIES, e.g. ("FP32", "BF16").
+    """
+
+    name: str
+    full_name: str
+    capabilities: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """"GPU.0: Intel(R) Arc(TM) A770 Graphics"."""
+        return f"{self.name}: {self.full_name}" if self.full_name else self.name
+
+
+def available_devices(core: ov.Core | None = None) -> list[str]:
+    """The device names in ``openvino.Core().available_devices``."""
+    return list((core or ov.Core()).available_devices)
+
+
+def device_info(core: ov.Core | None = None) -> list[DeviceInfo]:
+    """Every available device with its full name and capabilities."""
+    core = core or ov.Core()
+    found = []
+    for name in core.available_devices:
+        try:
+            full_name = str(core.get_property(name, "FULL_DEVICE_NAME"))
+        except RuntimeError as err:  # a plugin that cannot answer still lists its device
+            logger.warning("OpenVINO device %s did not report its name: %s", name, err)
+            full_name = ""
+        try:
+            caps = tuple(str(c) for c in core.get_property(name, "OPTIMIZATION_CAPABILITIES"))
+        except RuntimeError:
+            caps = ()
+        found.append(DeviceInfo(name=name, full_name=full_name, capabilities=caps))
+    return found
+
+
+def list_devices(core: ov.Core | None = None) -> list[tuple[str, str]]:
+    """``[(name, full_name)]`` for every available device."""
+    return [(d.name, d.full_name) for d in device_info(core)]
+
+
+def _known(part: str, available: list[str]) -> bool:
+    generic = {name.split(".", 1)[0] for name in available}
+    return part in available or part in generic
+
+
+def unknown_device_parts(device: str, available: list[str]) -> str | None:
+    """The first part of ``device`` that names no available device, or None if all do.
+
+    "AUTO" alone is always valid; "HETERO:GPU,CPU", "MULTI:...", "AUTO:..." and "BATCH:..."
+    need each listed device to be available (a generic name such as "GPU" matches "GPU.0").
+    """
+    if device == "AUTO":
+        return None
+    prefix, sep, rest = device.partition(":")
+    if sep and prefix in MULTI_DEVICE_PREFIXES:
+        parts = [p.strip() for p in rest.split(",")]
+        if not parts or any(not p for p in parts):
+            return device
+        for part in parts:
+            name = part.split("(", 1)[0]  # BATCH:GPU(4)
+            if not _known(name, available):
+                return part
+        return None
+    return None if _known(device, available) else device

@@ -1,0 +1,112 @@
+"""What a compile did: partitions, what stayed in PyTorch and why, times, cache use."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PartitionReport:
+    """One OpenVINO partition of a graph.
+
+    Attributes:
+        name: the partition's name in the graph ("fused_0", or "graph" for a whole-graph model).
+        ops: how many aten ops it holds.
+        cache_hit: its converted model came from the disk cache.
+        convert_seconds: time to convert it (0 on a cache hit).
+        compile_seconds: time OpenVINO took to compile it for the device.
+        in_openvino: False when its conversion or compile failed and it runs in PyTorch.
+        reused: the model converted for an earlier shape was reshaped (no conversion).
+    """
+
+    name: str
+    ops: int
+    cache_hit: bool = False
+    convert_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    in_openvino: bool = True
+    reused: bool = False
+
+
+@dataclass
+class CompileReport:
+    """The result of compiling one graph for one input signature.
+
+    Attributes:
+        graph: a name for the graph ("graph 0" ...).
+        signature: the input shapes and dtypes.
+        route: "static" (traced for this signature), "dynamic" (one conversion, reshaped per
+            shape) or "eager" (all of it in PyTorch).
+        device: the OpenVINO device.
+        partitions: the OpenVINO partitions.
+        fallback_ops: op name -> why it ran in PyTorch.
+        warnings: fallbacks of whole partitions or graphs, with their reasons.
+        trace_seconds: time to trace the graph to aten ops.
+    """
+
+    graph: str
+    signature: str
+    route: str
+    device: str
+    partitions: list[PartitionReport] = field(default_factory=list)
+    fallback_ops: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    trace_seconds: float = 0.0
+
+    @property
+    def convert_seconds(self) -> float:
+        return sum(p.convert_seconds for p in self.partitions)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(p.compile_seconds for p in self.partitions)
+
+    @property
+    def cache_hit(self) -> bool:
+        """Every partition's model came from the disk cache."""
+        return bool(self.partitions) and all(p.cache_hit for p in self.partitions)
+
+    @property
+    def fully_in_openvino(self) -> bool:
+        return self.route != "eager" and not self.fallback_ops and all(p.in_openvino for p in self.partitions)
+
+    def summary(self) -> str:
+        """One line for logs and status panels."""
+        in_ov = sum(1 for p in self.partitions if p.in_openvino)
+        parts = [
+            f"{self.graph} {self.signature}: {self.route} on {self.device}",
+            f"{in_ov} OpenVINO partition(s)",
+            f"trace {self.trace_seconds:.2f}s, convert {self.convert_seconds:.2f}s, "
+            f"compile {self.compile_seconds:.2f}s",
+            "conversion reused" if self.partitions and all(p.reused for p in self.partitions)
+            else "cache hit" if self.cache_hit else "cache miss",
+        ]
+        if self.fallback_ops:
+            parts.append("in PyTorch: " + ", ".join(f"{op} ({why})" for op, why in sorted(self.fallback_ops.items())))
+        if self.warnings:
+            parts.append("fallbacks: " + "; ".join(self.warnings))
+        return "; ".join(parts)
+
+
+class Stats:
+    """Counters a backend keeps across calls (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = {"compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
+                        "cache_hits": 0, "cache_misses": 0, "compiles": 0}
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for key, amount in amounts.items():
+                self._values[key] += amount
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)
+
+    def reset(self) -> None:
+        with self._lock:
+            for key in self._values:
+                self._values[key] = type(self._values[key])()

@@ -1,0 +1,98 @@
+"""Running compiled OpenVINO models on torch tensors, from any number of threads."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Sequence
+
+import numpy as np
+import openvino as ov
+import torch
+
+logger = logging.getLogger(__name__)
+
+_TORCH_FROM_OV = {
+    ov.Type.f32: torch.float32,
+    ov.Type.f64: torch.float64,
+    ov.Type.f16: torch.float16,
+    ov.Type.bf16: torch.bfloat16,
+    ov.Type.i64: torch.int64,
+    ov.Type.i32: torch.int32,
+    ov.Type.i16: torch.int16,
+    ov.Type.i8: torch.int8,
+    ov.Type.u8: torch.uint8,
+    ov.Type.boolean: torch.bool,
+}
+
+
+def _to_ov(t: torch.Tensor | int | float | bool) -> np.ndarray | ov.Tensor:
+    if not isinstance(t, torch.Tensor):
+        return np.asarray(t)
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return ov.Tensor(t.view(torch.int16).numpy().view(np.uint16), list(t.shape), ov.Type.bf16)
+    return t.numpy()
+
+
+def _to_torch(value: ov.Tensor | np.ndarray, expected: torch.dtype | None) -> torch.Tensor:
+    if isinstance(value, ov.Tensor):
+        if value.element_type == ov.Type.bf16:
+            raw = torch.from_numpy(np.array(value.data, copy=True).view(np.int16))
+            out = raw.view(torch.bfloat16)
+        else:
+            out = torch.from_numpy(np.array(value.data, copy=True))
+    else:
+        out = torch.from_numpy(np.array(value, copy=False))
+    if expected is not None and out.dtype != expected:
+        out = out.to(expected)
+    return out
+
+
+class OVRunner:
+    """A compiled model with a pool of inference requests, safe to call from several threads.
+
+    Args:
+        compiled: the compiled model.
+        out_dtypes: the torch dtype each output must have (OpenVINO may narrow, e.g. i64 -> i32).
+    """
+
+    def __init__(self, compiled: ov.CompiledModel, out_dtypes: Sequence[torch.dtype | None] = ()) -> None:
+        self.compiled = compiled
+        self._outputs = list(compiled.outputs)
+        self._out_dtypes = list(out_dtypes) or [None] * len(self._outputs)
+        self._pool: queue.SimpleQueue[ov.InferRequest] = queue.SimpleQueue()
+
+    def __call__(self, inputs: Sequence[torch.Tensor | int | float | bool]) -> list[torch.Tensor]:
+        try:
+            request = self._pool.get_nowait()
+        except queue.Empty:
+            request = self.compiled.create_infer_request()
+        try:
+            request.infer([_to_ov(t) for t in inputs], share_inputs=True, share_outputs=True)
+            results = [_to_torch(request.get_tensor(out), dtype)
+                       for out, dtype in zip(self._outputs, self._out_dtypes)]
+        finally:
+            self._pool.put(request)
+        return results
+
+
+class OVModule(torch.nn.Module):
+    """Stands in a partitioned FX graph for one OpenVINO partition.
+
+    Args:
+        runner: runs the partition in OpenVINO.
+        single: the partition returns one tensor rather than a tuple.
+    """
+
+    def __init__(self, runner: OVRunner, single: bool) -> None:
+        super().__init__()
+        self.runner = runner
+        self.single = single
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        outputs = self.runner(args)
+        return outputs[0] if self.single else tuple(outputs)

@@ -1,0 +1,187 @@
+"""Backend settings: one frozen, validated object built from user options.
+
+Owns the option names (the documented set of openvino's stock ``torch.compile`` backend, plus
+``strict``), their defaults, the deprecated environment variables read as defaults, and the
+validation of every value. Change a settings object with :func:`dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ov_backend import devices, ops
+
+logger = logging.getLogger(__name__)
+
+ENV_DEVICE = "OPENVINO_TORCH_BACKEND_DEVICE"
+ENV_MODEL_CACHING = "OPENVINO_TORCH_MODEL_CACHING"
+ENV_CACHE_DIR = "OPENVINO_TORCH_CACHE_DIR"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+def default_cache_dir() -> Path:
+    """The per-user cache folder for compiled models (never the working directory)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ov_backend"
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """How the backend converts, compiles and runs graphs.
+
+    Attributes:
+        device: OpenVINO device: a name in ``openvino.Core().available_devices``, a generic
+            name such as "GPU", "AUTO", or "HETERO:a,b" / "MULTI:a,b" / "AUTO:a,b".
+        model_caching: store converted models under ``cache_dir`` and reuse them across processes.
+        cache_dir: folder of the on-disk cache.
+        config: properties handed to ``openvino.Core.compile_model`` (string keys and values).
+        decompositions: extra aten ops to decompose before conversion.
+        disabled_ops: aten ops forced to run in PyTorch.
+        aot_autograd: trace through AOTAutograd before conversion.
+        strict: raise instead of falling back to PyTorch when OpenVINO cannot take a graph.
+    """
+
+    device: str = "CPU"
+    model_caching: bool = False
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    config: tuple[tuple[str, str], ...] = ()
+    decompositions: tuple[str, ...] = ()
+    disabled_ops: tuple[str, ...] = ()
+    aot_autograd: bool = False
+    strict: bool = False
+
+    @property
+    def config_dict(self) -> dict[str, str]:
+        """``config`` as the dict ``compile_model`` takes."""
+        return dict(self.config)
+
+    def result_key(self) -> dict[str, Any]:
+        """The settings that change what a compiled model computes (used in cache keys)."""
+        return {
+            "device": self.device,
+            "config": list(self.config),
+            "decompositions": list(self.decompositions),
+            "disabled_ops": list(self.disabled_ops),
+            "aot_autograd": self.aot_autograd,
+        }
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BackendSettings))
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"option {name!r} must be a boolean (True/False), got {value!r}")
+
+
+def _env_defaults() -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for var, key in ((ENV_DEVICE, "device"), (ENV_MODEL_CACHING, "model_caching"),
+                     (ENV_CACHE_DIR, "cache_dir")):
+        value = os.environ.get(var)
+        if value is None:
+            continue
+        warnings.warn(
+            f"the environment variable {var} is deprecated; pass options={{{key!r}: ...}} instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        found[key] = value
+    return found
+
+
+def _check_device(device: Any) -> str:
+    if not isinstance(device, str) or not device.strip():
+        raise ValueError(f"option 'device' must be a device name, got {device!r}")
+    device = device.strip()
+    available = devices.available_devices()
+    problem = devices.unknown_device_parts(device, available)
+    if problem:
+        raise ValueError(
+            f"unknown OpenVINO device {problem!r} in {device!r}; available devices: "
+            f"{', '.join(available) or 'none'} (also AUTO, and HETERO:/MULTI:/AUTO: lists of them)"
+        )
+    return device
+
+
+def _check_config(config: Any) -> tuple[tuple[str, str], ...]:
+    if config is None:
+        return ()
+    if not isinstance(config, Mapping):
+        raise ValueError(f"option 'config' must be a dict of OpenVINO properties, got {type(config).__name__}")
+    items = []
+    for key, value in config.items():
+        if not isinstance(key, str):
+            raise ValueError(f"option 'config' keys must be strings, got {key!r}")
+        items.append((key, value if isinstance(value, str) else str(value)))
+    return tuple(sorted(items))
+
+
+def _check_ops(name: str, values: Any, *, known: frozenset[str] | None) -> tuple[str, ...]:
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    names = []
+    for value in values:
+        op_name = ops.op_name(value)
+        if known is not None and op_name not in known:
+            raise ValueError(
+                f"option {name!r}: unknown op {value!r}; use an aten overload name such as "
+                f"'aten.convolution.default' (see ov_backend.ops.SUPPORTED_OPS)"
+            )
+        if known is None and ops.resolve_op(op_name) is None:
+            raise ValueError(f"option {name!r}: {value!r} is not an aten op")
+        names.append(op_name)
+    return tuple(sorted(set(names)))
+
+
+def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -> BackendSettings:
+    """Build validated settings from ``torch.compile(..., options=...)``.
+
+    The deprecated environment variables OPENVINO_TORCH_BACKEND_DEVICE,
+    OPENVINO_TORCH_MODEL_CACHING and OPENVINO_TORCH_CACHE_DIR are read here as defaults;
+    explicit options win.
+
+    Args:
+        options: option name -> value, or settings to validate again.
+
+    Returns:
+        The frozen settings.
+
+    Raises:
+        ValueError: an unknown option key, device, op name or a value of the wrong kind.
+    """
+    if isinstance(options, BackendSettings):
+        options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise ValueError(
+            f"unknown ov_backend option(s): {', '.join(map(repr, unknown))}; "
+            f"valid options: {', '.join(OPTION_NAMES)}"
+        )
+    merged = {**_env_defaults(), **{k: v for k, v in options.items() if v is not None}}
+    cache_dir = merged.get("cache_dir")
+    return BackendSettings(
+        device=_check_device(merged.get("device", "CPU")),
+        model_caching=_as_bool("model_caching", merged.get("model_caching", False)),
+        cache_dir=Path(cache_dir).expanduser() if cache_dir not in (None, "") else default_cache_dir(),
+        config=_check_config(merged.get("config")),
+        decompositions=_check_ops("decompositions", merged.get("decompositions"), known=None),
+        disabled_ops=_check_ops("disabled_ops", merged.get("disabled_ops"), known=ops.SUPPORTED_OPS),
+        aot_autograd=_as_bool("aot_autograd", merged.get("aot_autograd", False)),
+        strict=_as_bool("strict", merged.get("strict", False)),
+    )
