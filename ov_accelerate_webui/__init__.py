@@ -1,0 +1,42 @@
+"""Accelerate with OpenVINO: the AUTOMATIC1111 WebUI adapter.
+
+The only package that imports A1111's ``modules`` and gradio (all through :mod:`.host`). The entry
+point ``scripts/openvino_accelerate.py`` calls :func:`create_extension` and exposes its Script.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from . import host
+from .extension import Extension
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Loaded", "create_extension"]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What the entry point needs: the runtime and the Script class bound to it."""
+
+    extension: Extension
+    script_class: type
+
+    def register_callbacks(self) -> None:
+        """Register the A1111 callbacks (A1111 clears and re-runs them on reload)."""
+        from .ui import add_settings_section
+
+        callbacks = host.script_callbacks()
+        callbacks.on_ui_settings(lambda: add_settings_section(self.extension))
+        callbacks.on_model_loaded(self.extension.on_model_loaded)
+        callbacks.on_script_unloaded(self.extension.unload)
+
+
+def create_extension() -> Loaded:
+    """Create the extension's runtime and its Script class."""
+    from .script import make_script_class
+
+    extension = Extension()
+    return Loaded(extension=extension, script_class=make_script_class(extension))

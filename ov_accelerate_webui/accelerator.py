@@ -1,0 +1,191 @@
+"""Compiled parts of the loaded checkpoint: which backend and compiled forward belongs to which module.
+
+One :class:`Accelerator` lives as long as the extension (created by the script entry point and reset
+on script unload). It keeps, for the current checkpoint, one ov_backend instance per backend setting
+and one compiled forward per routed module, so the next generation starts at full speed. The backend
+itself notices weight changes (LoRA, a new VAE) and shapes; this object notices a new checkpoint or a
+new model object and drops what belonged to the old one. All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .backend_bridge import BackendApi
+from .model_parts import Target, checkpoint_key, find_targets
+from .routing import Route
+from .settings import PART_LABELS, AccelerateSettings
+
+logger = logging.getLogger(__name__)
+
+BackendKey = tuple[str, bool, str, tuple[tuple[str, str], ...]]
+
+
+def backend_key(options: dict[str, Any]) -> BackendKey:
+    """A hashable key of the backend options that change a compiled model."""
+    return (
+        str(options["device"]),
+        bool(options["model_caching"]),
+        str(options["cache_dir"]),
+        tuple(sorted((str(k), str(v)) for k, v in options["config"].items())),
+    )
+
+
+def input_signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+    """Shapes and dtypes of the tensor arguments of one call."""
+    items = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    return tuple((tuple(x.shape), str(x.dtype)) for x in items if isinstance(x, torch.Tensor))
+
+
+@dataclass
+class _Compiled:
+    part: str
+    path: str
+    module_ref: weakref.ReferenceType
+    compiled: Callable[..., Any]
+    seen: set[tuple] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """What one generation routes, and where its status comes from."""
+
+    routes: tuple[Route, ...]
+    backend: Any
+    first_report: int
+    settings: AccelerateSettings
+    checkpoint: str
+    stats_before: dict[str, float]
+
+
+class Accelerator:
+    """Owns compiled models across generations; :meth:`reset` drops them."""
+
+    def __init__(self, api: BackendApi, notify: Callable[[str | None], None] | None = None) -> None:
+        """Args:
+        api: the loaded ov_backend API.
+        notify: called with "OpenVINO: compiling ..." before a call with a new input signature
+            and with None after it (the WebUI shows it in its progress text).
+        """
+        self.api = api
+        self._notify = notify or (lambda text: None)
+        self._lock = threading.RLock()
+        self._checkpoint: str | None = None
+        self._backends: dict[BackendKey, Any] = {}
+        self._compiled: dict[tuple[BackendKey, str], _Compiled] = {}
+
+    def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str) -> PreparedRun:
+        """Find the parts of ``model`` to accelerate and get (or make) their compiled forwards.
+
+        Raises:
+            UnsupportedModel: the model cannot be accelerated.
+            ValueError: the backend rejected the settings (e.g. an unknown device).
+        """
+        targets = find_targets(model, settings.parts)
+        options = settings.backend_options(default_cache_dir)
+        key = backend_key(options)
+        ckpt = checkpoint_key(model)
+        with self._lock:
+            if ckpt != self._checkpoint:
+                if self._checkpoint is not None:
+                    logger.info(
+                        "checkpoint changed (%s -> %s): dropping compiled models in memory",
+                        self._checkpoint,
+                        ckpt,
+                    )
+                self._drop_all()
+                self._checkpoint = ckpt
+            backend = self._backends.get(key)
+            if backend is None:
+                backend = self.api.backend_class(self.api.build_settings(options))
+                self._backends[key] = backend
+            routes = tuple(Route(t.module, self._routed_forward(key, backend, t), t.path) for t in targets)
+            first_report = len(getattr(backend, "reports", ()))
+            stats_before = dict(backend.stats())
+        return PreparedRun(
+            routes=routes,
+            backend=backend,
+            first_report=first_report,
+            settings=settings,
+            checkpoint=ckpt,
+            stats_before=stats_before,
+        )
+
+    def _routed_forward(self, key: BackendKey, backend: Any, target: Target) -> Callable[..., Any]:
+        entry = self._compiled.get((key, target.path))
+        if entry is None or entry.module_ref() is not target.module:
+            if entry is not None:
+                logger.info("%s is a new module object: compiling it anew", target.path)
+            compiled = torch.compile(target.module.forward, backend=backend)
+            entry = _Compiled(
+                part=target.part, path=target.path, module_ref=weakref.ref(target.module), compiled=compiled
+            )
+            self._compiled[(key, target.path)] = entry
+        return self._make_forward(entry)
+
+    def _make_forward(self, entry: _Compiled) -> Callable[..., Any]:
+        lock, notify = self._lock, self._notify
+        label = PART_LABELS[entry.part]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            signature = input_signature(args, kwargs)
+            with lock:
+                new = signature not in entry.seen
+            if not new:
+                return entry.compiled(*args, **kwargs)
+            shapes = "x".join(str(d) for d in signature[0][0]) if signature else "?"
+            notify(f"OpenVINO: compiling {label} ({entry.path}) for input {shapes} ...")
+            try:
+                result = entry.compiled(*args, **kwargs)
+            finally:
+                notify(None)
+            with lock:
+                entry.seen.add(signature)
+            return result
+
+        return forward
+
+    def _drop_all(self) -> None:
+        for backend in self._backends.values():
+            reset = getattr(backend, "reset", None)
+            if reset is not None:
+                reset()
+        self._backends.clear()
+        self._compiled.clear()
+
+    def reset(self) -> None:
+        """Drop every compiled model in memory (the disk cache stays)."""
+        with self._lock:
+            self._drop_all()
+            self._checkpoint = None
+
+    def forget_unless(self, model: Any) -> None:
+        """Drop compiled models unless they belong to ``model``'s checkpoint (on model load)."""
+        with self._lock:
+            if self._checkpoint is not None and checkpoint_key(model) != self._checkpoint:
+                logger.info("model changed: dropping compiled models of %s", self._checkpoint)
+                self._drop_all()
+                self._checkpoint = None
+
+    def compiled_paths(self) -> list[str]:
+        """Paths of modules that have a compiled forward now (for the panel and tests)."""
+        with self._lock:
+            return sorted({path for (_key, path) in self._compiled})
+
+    def reports_since(self, run: PreparedRun) -> list[Any]:
+        """The compile reports the backend produced during ``run``."""
+        with self._lock:
+            return list(getattr(run.backend, "reports", ())[run.first_report :])
+
+    def stats_since(self, run: PreparedRun) -> dict[str, float]:
+        """Backend counters (compile/run seconds, calls, cache hits) accumulated during ``run``."""
+        with self._lock:
+            now = dict(run.backend.stats())
+        return {k: v - run.stats_before.get(k, 0) for k, v in now.items() if isinstance(v, (int, float))}

@@ -1,0 +1,194 @@
+"""The extension's runtime: one object per load of the script file, owning all state of the extension.
+
+It is created by ``scripts/openvino_accelerate.py``; A1111 re-executes that file on reload, and the
+``on_script_unloaded`` callback resets the old runtime. Both Script instances (txt2img and img2img)
+share it, so a size compiled in one tab is ready in the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import host
+from .accelerator import Accelerator
+from .backend_bridge import BackendApi, BackendUnavailable, load_backend
+from .model_parts import UnsupportedModel, checkpoint_key
+from .precompile import ReadySizes, Size, parse_sizes
+from .routing import routed
+from .settings import AccelerateSettings
+from .status import format_bytes, run_status
+
+logger = logging.getLogger(__name__)
+
+INFOTEXT_KEY = "OpenVINO"
+
+
+class Extension:
+    """State and actions of the extension; everything the Script and the panel do goes through here."""
+
+    def __init__(self, load_api: Callable[[], BackendApi] = load_backend) -> None:
+        """Args:
+        load_api: imports the backend on first use (tests pass their own).
+        """
+        self._load_api = load_api
+        self._lock = threading.RLock()
+        self._api: BackendApi | None = None
+        self._accelerator: Accelerator | None = None
+        self.ready = ReadySizes()
+        self.last_status = "No generation with OpenVINO yet."
+
+    # --- backend -------------------------------------------------------------------------------
+    def api(self) -> BackendApi:
+        """The backend API (imported on first use). Raises BackendUnavailable."""
+        with self._lock:
+            if self._api is None:
+                self._api = self._load_api()
+            return self._api
+
+    def accelerator(self) -> Accelerator:
+        """The accelerator (created on first use). Raises BackendUnavailable."""
+        with self._lock:
+            if self._accelerator is None:
+                self._accelerator = Accelerator(self.api(), notify=_set_textinfo)
+            return self._accelerator
+
+    def device_choices(self) -> list[tuple[str, str]]:
+        """(label, device) pairs for the panel: each device with its full name, AUTO, HETERO if > 1 device."""
+        devices = self.api().list_devices()
+        choices = [(f"{name}: {full}" if full else name, name) for name, full in devices]
+        choices.append(("AUTO: let OpenVINO choose", "AUTO"))
+        names = [name for name, _full in devices]
+        if len(names) > 1:
+            hetero = "HETERO:" + ",".join(sorted(names, key=lambda n: (n.startswith("CPU"), n)))
+            choices.append((f"{hetero}: split across devices", hetero))
+        return choices
+
+    def device_names(self) -> list[str]:
+        """Names of the devices OpenVINO sees."""
+        return [name for name, _full in self.api().list_devices()]
+
+    # --- generation ----------------------------------------------------------------------------
+    def run(self, p: Any, settings: AccelerateSettings) -> Any:
+        """Run A1111's pipeline on ``p`` with the chosen parts in OpenVINO; returns the ``Processed``."""
+        model = getattr(p, "sd_model", None) or host.loaded_model()
+        if not settings.parts:
+            self.last_status = "No part selected: the image was made in plain PyTorch."
+            return host.process_images(p)
+        try:
+            accelerator = self.accelerator()
+            prepared = accelerator.prepare(model, settings, host.default_cache_dir())
+        except (BackendUnavailable, UnsupportedModel) as exc:
+            return self._run_plain(p, str(exc))
+        p.extra_generation_params[INFOTEXT_KEY] = settings.infotext()
+        with routed(prepared.routes):
+            processed = host.process_images(p)
+        status = run_status(
+            settings,
+            [route.label for route in prepared.routes],
+            accelerator.reports_since(prepared),
+            accelerator.stats_since(prepared),
+        )
+        logger.info("%s", status)
+        self.last_status = status
+        if not host.state().interrupted:
+            self._record_sizes(p, prepared.checkpoint, settings)
+        if processed is not None:
+            processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + status).strip()
+        return processed
+
+    def _run_plain(self, p: Any, reason: str) -> Any:
+        message = f"Accelerate with OpenVINO: {reason}"
+        logger.warning("%s", message)
+        comment = getattr(p, "comment", None)
+        if comment is not None:
+            comment(message)
+        self.last_status = message
+        processed = host.process_images(p)
+        if processed is not None and message not in (getattr(processed, "comments", "") or ""):
+            processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + message).strip()
+        return processed
+
+    def _record_sizes(self, p: Any, checkpoint: str, settings: AccelerateSettings) -> None:
+        label = settings.infotext()
+        self.ready.add(checkpoint, label, Size(int(p.width), int(p.height), int(p.batch_size)))
+        if getattr(p, "enable_hr", False) and getattr(p, "hr_upscale_to_x", 0):
+            self.ready.add(
+                checkpoint, label, Size(int(p.hr_upscale_to_x), int(p.hr_upscale_to_y), int(p.batch_size))
+            )
+
+    def precompile(self, sizes_text: str, batch_size: int, settings: AccelerateSettings) -> Iterator[str]:
+        """Compile each size ahead of a batch job (a 1-step generation each); yields progress lines.
+
+        Raises:
+            ValueError: for a malformed size list.
+        """
+        sizes = parse_sizes(sizes_text, batch_size)
+        for number, size in enumerate(sizes, start=1):
+            yield f"Compiling {size.label()} ({number}/{len(sizes)}) ..."
+            p = host.txt2img_processing(
+                prompt="",
+                negative_prompt="",
+                width=size.width,
+                height=size.height,
+                batch_size=size.batch_size,
+                n_iter=1,
+                steps=1,
+                do_not_save_samples=True,
+                do_not_save_grid=True,
+            )
+            with host.queue_lock():
+                self.run(p, settings)
+        yield f"Ready: {', '.join(s.label() for s in sizes)}."
+
+    def ready_sizes_text(self) -> str:
+        """Which sizes are ready for the loaded checkpoint, one line per setting."""
+        model = host.loaded_model()
+        if model is None:
+            return "No checkpoint loaded."
+        ready = self.ready.for_checkpoint(checkpoint_key(model))
+        if not ready:
+            return "No size compiled yet for this checkpoint."
+        return "\n".join(
+            f"{label}: {', '.join(s.label() for s in sizes)}" for label, sizes in sorted(ready.items())
+        )
+
+    # --- disk cache ------------------------------------------------------------------------------
+    def cache_dir(self, folder: str) -> str:
+        """The folder in use: ``folder`` or the default under the models folder."""
+        return (folder or "").strip() or host.default_cache_dir()
+
+    def cache_size_text(self, folder: str) -> str:
+        """E.g. "12 entries, 1.2 GiB in /models/openvino_cache"."""
+        path = self.cache_dir(folder)
+        cache = self.api().model_cache(path)
+        return f"{len(list(cache.entries()))} entries, {format_bytes(cache.total_bytes())} in {path}"
+
+    def clear_cache(self, folder: str, confirmed: bool) -> str:
+        """Delete the compiled models on disk if ``confirmed``; returns the new size text."""
+        if not confirmed:
+            return "Not cleared (not confirmed). " + self.cache_size_text(folder)
+        path = self.cache_dir(folder)
+        self.api().model_cache(path).clear()
+        logger.info("cleared the OpenVINO cache in %s", path)
+        return "Cleared. " + self.cache_size_text(folder)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def on_model_loaded(self, model: Any) -> None:
+        """Drop compiled models of a checkpoint that is no longer loaded."""
+        with self._lock:
+            if self._accelerator is not None:
+                self._accelerator.forget_unless(model)
+
+    def unload(self) -> None:
+        """Release everything (script reload or WebUI shutdown)."""
+        with self._lock:
+            if self._accelerator is not None:
+                self._accelerator.reset()
+            self.ready.clear()
+
+
+def _set_textinfo(text: str | None) -> None:
+    host.state().textinfo = text

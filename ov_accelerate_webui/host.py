@@ -1,0 +1,109 @@
+"""The one door to the host application: every import of A1111's ``modules.*`` and of gradio.
+
+Imports are made when a function is called, never when this module is imported, so the rest of
+the package (and its tests) can be imported without a WebUI. Nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(name)
+
+
+def gradio() -> ModuleType:
+    """The ``gradio`` package the WebUI runs (3.41.2 on A1111 v1.10.1)."""
+    return _module("gradio")
+
+
+def scripts() -> ModuleType:
+    """``modules.scripts`` (Script base class, AlwaysVisible)."""
+    return _module("modules.scripts")
+
+
+def processing() -> ModuleType:
+    """``modules.processing`` (process_images, Processed, the processing classes)."""
+    return _module("modules.processing")
+
+
+def shared() -> ModuleType:
+    """``modules.shared`` (opts, state, sd_model, OptionInfo)."""
+    return _module("modules.shared")
+
+
+def script_callbacks() -> ModuleType:
+    """``modules.script_callbacks``."""
+    return _module("modules.script_callbacks")
+
+
+def process_images(p: Any) -> Any:
+    """Run A1111's native pipeline on ``p``."""
+    return processing().process_images(p)
+
+
+def state() -> Any:
+    """``shared.state``: progress, interrupt flags, textinfo."""
+    return shared().state
+
+
+def opts() -> Any:
+    """``shared.opts``."""
+    return shared().opts
+
+
+def option(key: str, default: Any) -> Any:
+    """A WebUI option, or ``default`` when it is not registered (yet)."""
+    return getattr(opts(), key, default)
+
+
+def add_option(key: str, default: Any, label: str, section: tuple[str, str], **kwargs: Any) -> None:
+    """Register one option in the Settings tab (call from an ``on_ui_settings`` callback)."""
+    sh = shared()
+    sh.opts.add_option(key, sh.OptionInfo(default, label, section=section, **kwargs))
+
+
+def loaded_model() -> Any:
+    """``shared.sd_model`` (may be None before the first model load)."""
+    return getattr(shared(), "sd_model", None)
+
+
+def models_path() -> str:
+    """The WebUI's models folder (``modules.paths.models_path``)."""
+    return str(_module("modules.paths").models_path)
+
+
+def default_cache_dir() -> str:
+    """Default folder of the compiled-model cache: ``<models>/openvino_cache``."""
+    return os.path.join(models_path(), "openvino_cache")
+
+
+def queue_lock() -> Any:
+    """The lock A1111 holds while a generation runs (``modules.call_queue.queue_lock``)."""
+    return _module("modules.call_queue").queue_lock
+
+
+def is_forge() -> bool:
+    """True inside Forge, whose model object differs from A1111's."""
+    try:
+        importlib.import_module("modules_forge")
+    except ImportError:
+        return False
+    return True
+
+
+def txt2img_processing(**kwargs: Any) -> Any:
+    """A ``StableDiffusionProcessingTxt2Img`` for the loaded model (used by pre-compile)."""
+    return processing().StableDiffusionProcessingTxt2Img(sd_model=loaded_model(), **kwargs)
+
+
+def always_visible() -> Any:
+    """``scripts.AlwaysVisible``."""
+    return scripts().AlwaysVisible

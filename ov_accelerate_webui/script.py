@@ -1,0 +1,43 @@
+"""The dropdown Script "Accelerate with OpenVINO": a thin class over :class:`extension.Extension`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import host
+from .backend_bridge import BackendUnavailable
+from .extension import Extension
+from .settings import from_ui_args
+from .ui import build_panel
+
+logger = logging.getLogger(__name__)
+
+TITLE = "Accelerate with OpenVINO"
+
+
+def make_script_class(extension: Extension) -> type:
+    """A ``modules.scripts.Script`` subclass bound to ``extension`` (A1111 instantiates it per tab)."""
+    base = host.scripts().Script
+
+    class AccelerateWithOpenVINO(base):  # type: ignore[misc, valid-type]
+        """Runs A1111's own pipeline with the UNet, VAE and text encoder in OpenVINO."""
+
+        def title(self) -> str:
+            return TITLE
+
+        def show(self, is_img2img: bool) -> bool:
+            return True
+
+        def ui(self, is_img2img: bool) -> list[Any]:
+            return build_panel(self, extension, is_img2img)
+
+        def run(self, p: Any, *args: Any) -> Any:
+            try:
+                device_names: list[str] | None = extension.device_names()
+            except BackendUnavailable:
+                device_names = None
+            settings = from_ui_args(args, device_names)
+            return extension.run(p, settings)
+
+    return AccelerateWithOpenVINO

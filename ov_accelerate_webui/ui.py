@@ -1,0 +1,224 @@
+"""The panel of the script (gradio 3.41) and the "OpenVINO" section of the Settings tab.
+
+Controls are made from :data:`settings.FIELDS` (label, hint, default), so the order of ``ui()``'s
+return value, of ``script_args`` and of the settings section is the dataclass field order. Element
+ids and hover hints reach the JavaScript through one hidden JSON block (``CONFIG_CLASS``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from . import host
+from .backend_bridge import BackendUnavailable
+from .settings import DEFAULTS, FIELD_NAMES, FIELDS, PRECISIONS, build_settings
+from .status import to_html
+
+logger = logging.getLogger(__name__)
+
+SECTION = ("openvino", "OpenVINO")
+OPTION_PREFIX = "openvino_"
+CONFIG_CLASS = "ov-accelerate-config"
+
+#: Extra controls beyond the settings fields: element-id suffix -> (label, hover hint).
+EXTRA_CONTROLS: dict[str, tuple[str, str]] = {
+    "cache_size": ("Cache size", "Space the compiled models take on disk."),
+    "clear_cache": ("Clear cache", "Delete every compiled model in the cache folder (asks first)."),
+    "precompile": ("Pre-compile", "Compile these sizes now, so a batch job starts at full speed."),
+    "precompile_batch": ("Pre-compile batch size", "Batch size the sizes are compiled for."),
+    "precompile_progress": ("Pre-compile progress", "What is being compiled."),
+    "precompile_sizes": ("Sizes to pre-compile", "Comma-separated WIDTHxHEIGHT, e.g. 512x512, 768x512."),
+    "ready": ("Ready sizes", "Sizes compiled for the loaded checkpoint: they start without a compile."),
+    "refresh": ("Refresh", "Update the cache size, the ready sizes and the status."),
+    "status": (
+        "Last run",
+        "What ran in OpenVINO, what fell back to PyTorch and why, times, cache hits, device.",
+    ),
+}
+
+
+def option_key(name: str) -> str:
+    """Settings-tab key of a settings field, e.g. "openvino_device"."""
+    return OPTION_PREFIX + name
+
+
+def panel_defaults() -> dict[str, Any]:
+    """Field values from the Settings tab, falling back to the dataclass defaults."""
+    return {f.name: host.option(option_key(f.name), getattr(DEFAULTS, f.name)) for f in FIELDS}
+
+
+def _device_choices(extension: Any) -> list[tuple[str, str]]:
+    try:
+        return extension.device_choices()
+    except BackendUnavailable:
+        return [(DEFAULTS.device, DEFAULTS.device)]
+
+
+def _label_for(device: str, choices: list[tuple[str, str]]) -> str:
+    for label, name in choices:
+        if name == device:
+            return label
+    return choices[0][0]
+
+
+def build_panel(script: Any, extension: Any, is_img2img: bool) -> list[Any]:
+    """Build the panel in the script's accordion; returns the components of ``run``'s args in order."""
+    gr = host.gradio()
+    defaults = panel_defaults()
+    choices = _device_choices(extension)
+    labels = [label for label, _name in choices]
+    ids = {name: script.elem_id(name) for name in (*FIELD_NAMES, *EXTRA_CONTROLS)}
+    hints = {f.metadata["label"]: f.metadata["hint"] for f in FIELDS}
+    hints.update({label: hint for label, hint in EXTRA_CONTROLS.values()})
+    config = {"ids": ids, "hints": hints, "tab": "img2img" if is_img2img else "txt2img"}
+    fields: dict[str, Any] = {}
+    meta = {f.name: f.metadata for f in FIELDS}
+
+    with gr.Group(elem_id=script.elem_id("panel"), elem_classes=["ov-accelerate-panel"]):
+        gr.HTML(f'<div class="{CONFIG_CLASS}" hidden data-config="{_attr(json.dumps(config))}"></div>')
+        try:
+            extension.api()
+        except BackendUnavailable as exc:
+            gr.HTML(to_html(str(exc), "error"), elem_id=script.elem_id("unavailable"))
+        fields["device"] = gr.Dropdown(
+            label=meta["device"]["label"],
+            choices=labels,
+            value=_label_for(str(defaults["device"]), choices),
+            elem_id=ids["device"],
+        )
+        with gr.Row():
+            for name in ("unet", "vae", "text_encoder"):
+                fields[name] = gr.Checkbox(
+                    label=meta[name]["label"], value=bool(defaults[name]), elem_id=ids[name]
+                )
+        fields["precision"] = gr.Radio(
+            label=meta["precision"]["label"],
+            choices=list(PRECISIONS),
+            value=defaults["precision"],
+            elem_id=ids["precision"],
+        )
+        with gr.Row():
+            fields["model_caching"] = gr.Checkbox(
+                label=meta["model_caching"]["label"],
+                value=bool(defaults["model_caching"]),
+                elem_id=ids["model_caching"],
+            )
+            fields["cache_dir"] = gr.Textbox(
+                label=meta["cache_dir"]["label"],
+                value=defaults["cache_dir"],
+                placeholder=host.default_cache_dir(),
+                elem_id=ids["cache_dir"],
+            )
+        with gr.Row():
+            cache_size = gr.Textbox(
+                label=EXTRA_CONTROLS["cache_size"][0],
+                interactive=False,
+                value=lambda: _safe(extension.cache_size_text, ""),
+                elem_id=ids["cache_size"],
+            )
+            clear = gr.Button(EXTRA_CONTROLS["clear_cache"][0], elem_id=ids["clear_cache"])
+            refresh = gr.Button(EXTRA_CONTROLS["refresh"][0], elem_id=ids["refresh"])
+        confirmed = gr.Checkbox(value=False, visible=False)
+        with gr.Row():
+            sizes = gr.Textbox(
+                label=EXTRA_CONTROLS["precompile_sizes"][0], value="512x512", elem_id=ids["precompile_sizes"]
+            )
+            batch = gr.Number(
+                label=EXTRA_CONTROLS["precompile_batch"][0],
+                value=1,
+                precision=0,
+                elem_id=ids["precompile_batch"],
+            )
+            precompile = gr.Button(EXTRA_CONTROLS["precompile"][0], elem_id=ids["precompile"])
+        progress = gr.Textbox(
+            label=EXTRA_CONTROLS["precompile_progress"][0],
+            interactive=False,
+            elem_id=ids["precompile_progress"],
+        )
+        ready = gr.Textbox(
+            label=EXTRA_CONTROLS["ready"][0],
+            interactive=False,
+            lines=2,
+            value=lambda: _safe(extension.ready_sizes_text),
+            elem_id=ids["ready"],
+        )
+        status = gr.Textbox(
+            label=EXTRA_CONTROLS["status"][0],
+            interactive=False,
+            lines=4,
+            value=lambda: extension.last_status,
+            elem_id=ids["status"],
+        )
+
+    args = [fields[name] for name in FIELD_NAMES]
+    handlers = PanelHandlers(extension)
+    clear.click(
+        handlers.clear_cache,
+        inputs=[fields["cache_dir"], confirmed],
+        outputs=[cache_size],
+        _js="ovAccelerate.confirmClear",
+    )
+    refresh.click(handlers.refresh, inputs=[fields["cache_dir"]], outputs=[cache_size, ready, status])
+    precompile.click(
+        handlers.precompile,
+        inputs=[sizes, batch, *args],
+        outputs=[progress, ready],
+        _js="ovAccelerate.startCompile",
+    )
+    return args
+
+
+class PanelHandlers:
+    """Event handlers of the panel's buttons (plain functions of values, testable without gradio)."""
+
+    def __init__(self, extension: Any) -> None:
+        self.extension = extension
+
+    def clear_cache(self, folder: str, confirmed: bool) -> str:
+        """Clear the disk cache if the user confirmed in the dialog."""
+        return _safe(lambda: self.extension.clear_cache(folder, bool(confirmed)))
+
+    def refresh(self, folder: str) -> tuple[str, str, str]:
+        """New cache size, ready sizes and last status."""
+        return (
+            _safe(lambda: self.extension.cache_size_text(folder)),
+            _safe(self.extension.ready_sizes_text),
+            self.extension.last_status,
+        )
+
+    def precompile(self, sizes: str, batch: float, *args: Any) -> Iterator[tuple[str, str]]:
+        """Compile the sizes; yields (progress, ready sizes) while it runs."""
+        try:
+            settings = build_settings(dict(zip(FIELD_NAMES, args)))
+            for line in self.extension.precompile(sizes, int(batch or 1), settings):
+                yield line, self.extension.ready_sizes_text()
+        except (ValueError, BackendUnavailable) as exc:
+            yield f"Failed: {exc}", _safe(self.extension.ready_sizes_text)
+
+
+def _safe(fn: Any, fallback: str | None = None) -> str:
+    try:
+        return fn()
+    except (BackendUnavailable, OSError, ValueError) as exc:
+        return fallback if fallback is not None else f"Unavailable: {exc}"
+
+
+def _attr(text: str) -> str:
+    return text.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;")
+
+
+def add_settings_section(extension: Any) -> None:
+    """Register the "OpenVINO" settings section (call from ``on_ui_settings``)."""
+    gr = host.gradio()
+    choices = [name for _label, name in _device_choices(extension)]
+    for f in FIELDS:
+        kwargs: dict[str, Any] = {}
+        if f.name == "device":
+            kwargs = {"component": gr.Dropdown, "component_args": {"choices": choices}}
+        elif f.name == "precision":
+            kwargs = {"component": gr.Radio, "component_args": {"choices": list(PRECISIONS)}}
+        label = f"{f.metadata['label']} (default of the panel)"
+        host.add_option(option_key(f.name), getattr(DEFAULTS, f.name), label, SECTION, **kwargs)

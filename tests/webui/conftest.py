@@ -1,0 +1,98 @@
+"""Fixtures: the fake A1111 host in ``sys.modules``, a tiny loaded checkpoint, the backend API.
+
+The backend is the real ov_backend; ``OV_WEBUI_TESTS_BACKEND=standin`` swaps in an eager stand-in with
+the same surface (only for working on the adapter while the backend is unfinished).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+FAKE_HOST = Path(__file__).parent / "fake_a1111"
+#: Largest per-pixel difference (0..255) between an image made with OpenVINO at f32 and PyTorch's.
+IMAGE_TOLERANCE = 3
+
+
+def _drop_fake_modules() -> None:
+    for name in list(sys.modules):
+        if name in ("modules", "tiny_model", "launch") or name.startswith("modules."):
+            del sys.modules[name]
+
+
+@pytest.fixture
+def fake_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
+    """The fake ``modules`` package of A1111 v1.10.1, with a tiny SD1 checkpoint loaded."""
+    _drop_fake_modules()
+    monkeypatch.syspath_prepend(str(FAKE_HOST))
+    from modules import paths, processing, script_callbacks, scripts, sd_models, shared
+    from tiny_model import TinyLatentDiffusion
+
+    paths.models_path = str(tmp_path / "models")
+    model = TinyLatentDiffusion(seed=0)
+    sd_models.load_model(model, sd_models.CheckpointInfo(str(tmp_path / "tiny-a.safetensors"), "a" * 64))
+    yield SimpleNamespace(
+        shared=shared,
+        processing=processing,
+        scripts=scripts,
+        callbacks=script_callbacks,
+        sd_models=sd_models,
+        paths=paths,
+        model=model,
+        make_model=TinyLatentDiffusion,
+        tmp_path=tmp_path,
+    )
+    script_callbacks.clear_callbacks()
+    _drop_fake_modules()
+
+
+@pytest.fixture
+def backend_api() -> Any:
+    """The backend API the extension uses in tests."""
+    if os.environ.get("OV_WEBUI_TESTS_BACKEND") == "standin":
+        from standin_backend import standin_api
+
+        return standin_api()
+    from ov_accelerate_webui.backend_bridge import load_backend
+
+    return load_backend()
+
+
+@pytest.fixture
+def extension(fake_host: SimpleNamespace, backend_api: Any) -> Any:
+    from ov_accelerate_webui.extension import Extension
+
+    ext = Extension(load_api=lambda: backend_api)
+    yield ext
+    ext.unload()
+
+
+def make_p(host: SimpleNamespace, model: Any = None, **kwargs: Any) -> Any:
+    """A txt2img processing object with small, fixed defaults."""
+    params = {
+        "prompt": "a tiny cat",
+        "negative_prompt": "blurry",
+        "seed": 1234,
+        "steps": 2,
+        "width": 64,
+        "height": 64,
+        "batch_size": 1,
+        "do_not_save_samples": True,
+        **kwargs,
+    }
+    return host.processing.StableDiffusionProcessingTxt2Img(sd_model=model or host.shared.sd_model, **params)
+
+
+def pixels(processed: Any) -> list[np.ndarray]:
+    return [np.asarray(img, dtype=np.int16) for img in processed.images]
+
+
+def max_pixel_diff(a: Any, b: Any) -> int:
+    return max(int(np.abs(x - y).max()) for x, y in zip(pixels(a), pixels(b)))

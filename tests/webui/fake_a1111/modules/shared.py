@@ -1,0 +1,63 @@
+"""Fake ``modules.shared``: opts, OptionInfo, state, sd_model, cmd_opts."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from modules import shared_state
+
+
+class OptionInfo:
+    """Mirrors A1111's OptionInfo constructor."""
+
+    def __init__(
+        self,
+        default: Any = None,
+        label: str = "",
+        component: Any = None,
+        component_args: Any = None,
+        onchange: Any = None,
+        section: Any = None,
+        refresh: Any = None,
+        comment_before: str = "",
+        comment_after: str = "",
+        infotext: Any = None,
+        restrict_api: bool = False,
+        category_id: Any = None,
+    ) -> None:
+        self.default, self.label, self.component = default, label, component
+        self.component_args, self.section = component_args, section
+
+    def info(self, info: str) -> OptionInfo:
+        return self
+
+    def needs_reload_ui(self) -> OptionInfo:
+        return self
+
+
+class Options:
+    """Mirrors ``shared.opts``: registered options read back as attributes."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "data", {"sd_model_checkpoint": None, "CLIP_stop_at_last_layers": 1})
+        object.__setattr__(self, "data_labels", {})
+
+    def add_option(self, key: str, info: OptionInfo) -> None:
+        self.data_labels[key] = info
+        self.data.setdefault(key, info.default)
+
+    def __getattr__(self, item: str) -> Any:
+        data = object.__getattribute__(self, "data")
+        if item in data:
+            return data[item]
+        raise AttributeError(item)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self.data[key] = value
+
+
+opts = Options()
+state = shared_state.State()
+sd_model: Any = None
+cmd_opts = types.SimpleNamespace(api=False, skip_install=False)
