@@ -1,0 +1,79 @@
+"""Routing the parts of a pipeline through ov_backend, and undoing it.
+
+Owns: which callable of each part is compiled (the UNet's forward, the VAE's encoder and
+decoder forwards, each text encoder's forward: every replacement keeps the call signature of
+what it replaces, so diffusers' sampling loop runs unchanged), the ``OVBackend`` instance that
+holds the compiled models, and ``restore()``. Parts not listed in ``SDSettings.accelerate``
+stay in PyTorch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .loader import Components
+from .settings import SDSettings
+
+logger = logging.getLogger(__name__)
+
+
+class Accelerator:
+    """Compiles the chosen parts of ``components`` with one ``OVBackend``.
+
+    Args:
+        components: the loaded modules (changed in place: their ``forward`` is replaced).
+        settings: SD-layer settings; mapped to backend settings here.
+        backend: an existing ``OVBackend`` to use instead of building one.
+    """
+
+    def __init__(self, components: Components, settings: SDSettings, backend: Any = None) -> None:
+        self.components = components
+        self.settings = settings
+        self.backend = backend
+        self._originals: list[tuple[torch.nn.Module, Any]] = []
+
+    def targets(self) -> list[tuple[str, torch.nn.Module]]:
+        """(part, module) pairs whose ``forward`` gets compiled under the current settings."""
+        found: list[tuple[str, torch.nn.Module]] = []
+        if "unet" in self.settings.accelerate:
+            found.append(("unet", self.components.unet))
+        if "vae" in self.settings.accelerate:
+            found += [("vae", self.components.vae.decoder), ("vae", self.components.vae.encoder)]
+        if "text_encoder" in self.settings.accelerate:
+            found += [("text_encoder", m) for m in self.components.text_encoders]
+        return found
+
+    def apply(self) -> Accelerator:
+        """Compile the chosen parts (lazily: OpenVINO converts on the first call of each shape)."""
+        if self._originals:
+            return self
+        if self.backend is None:
+            from ov_backend import OVBackend, build_settings
+
+            self.backend = OVBackend(build_settings(self.settings.to_backend_options()))
+        for part, module in self.targets():
+            original = module.__dict__.get("forward")
+            module.forward = torch.compile(module.forward, backend=self.backend)
+            self._originals.append((module, original))
+            logger.info("%s (%s) routed through ov_backend on %s", part, type(module).__name__,
+                        self.settings.device)
+        return self
+
+    def restore(self) -> None:
+        """Put the PyTorch forwards back and drop the compiled models."""
+        for module, original in reversed(self._originals):
+            if original is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = original
+        self._originals.clear()
+        if self.backend is not None:
+            self.backend.reset()
+        torch._dynamo.reset()
+
+    def stats(self) -> dict[str, float]:
+        """The backend's counters (compile_seconds, run_seconds, ...), empty when not applied."""
+        return dict(self.backend.stats()) if self.backend is not None else {}

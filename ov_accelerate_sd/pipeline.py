@@ -1,0 +1,232 @@
+"""Generation with the WebUI's conventions: txt2img and img2img, batches, seeds, infotext.
+
+Owns: ``GenerationJob`` (one validated request), ``Generator`` (diffusers pipelines built from
+loaded ``Components``; the prompt is encoded here with the WebUI's weighting and chunking, the
+initial latent is the WebUI's noise for the seed, the sampler comes from the WebUI's name),
+step callbacks for progress, and stopping after the current step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import (
+    StableDiffusionImg2ImgPipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLPipeline,
+)
+from PIL import Image
+
+from .loader import Components
+from .noise import ImageNoise, image_seeds
+from .pnginfo import format_infotext
+from .prompts import PromptEncoder
+from .samplers import make_scheduler, sampler_spec
+
+logger = logging.getLogger(__name__)
+
+MAX_SEED = 2**32 - 1
+StepCallback = Callable[[int, int], None]
+
+
+class Interrupted(Exception):
+    """Generation stopped on request after the current step; nothing of the batch was kept."""
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One request: a prompt and how to render it (``batch_count`` batches of ``batch_size``)."""
+
+    prompt: str
+    negative_prompt: str = ""
+    steps: int = 20
+    cfg_scale: float = 7.0
+    sampler: str = "Euler a"
+    width: int = 512
+    height: int = 512
+    seed: int = -1
+    """-1 picks a random seed; image i of the job gets seed + i, as in the WebUI."""
+    batch_size: int = 1
+    batch_count: int = 1
+    init_image: Image.Image | None = None
+    """img2img when set: resized to width x height."""
+    denoising_strength: float = 0.75
+    clip_skip: int = 1
+
+    def validated(self) -> GenerationJob:
+        """Check every field; return a copy with the seed resolved.
+
+        Raises:
+            ValueError: what is wrong and what would be right.
+        """
+        sampler_spec(self.sampler)
+        for name in ("width", "height"):
+            value = getattr(self, name)
+            if value < 8 or value % 8:
+                raise ValueError(f"{name} must be a positive multiple of 8, got {value}")
+        for name in ("steps", "batch_size", "batch_count", "clip_skip"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 < self.denoising_strength <= 1.0:
+            raise ValueError(f"denoising strength must be in (0, 1], got {self.denoising_strength}")
+        if not -1 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be -1 (random) or in 0..{MAX_SEED}, got {self.seed}")
+        seed = self.seed if self.seed != -1 else random.randrange(MAX_SEED)
+        return dataclasses.replace(self, seed=seed)
+
+    @property
+    def images(self) -> int:
+        return self.batch_size * self.batch_count
+
+
+@dataclass(frozen=True)
+class GeneratedImage:
+    """One finished image with its seed and infotext."""
+
+    image: Image.Image
+    seed: int
+    infotext: str
+    seconds: float
+    """Wall time of its batch divided by the batch size."""
+
+
+class Generator:
+    """Renders ``GenerationJob``s with diffusers pipelines over ``components``.
+
+    Args:
+        components: loaded modules (possibly routed through ov_backend by ``Accelerator``).
+        model_name: "Model" in the infotext (the checkpoint's file name without extension).
+        model_hash: "Model hash" in the infotext.
+        extra_params: more infotext entries (the OpenVINO ones), appended in order.
+    """
+
+    def __init__(
+        self,
+        components: Components,
+        model_name: str = "",
+        model_hash: str = "",
+        extra_params: dict[str, Any] | None = None,
+    ) -> None:
+        self.components = components
+        self.model_name = model_name
+        self.model_hash = model_hash
+        self.extra_params = dict(extra_params or {})
+        c = components
+        scheduler = make_scheduler("Euler", c.scheduler_config)
+        if c.family == "sdxl":
+            self.txt2img = StableDiffusionXLPipeline(
+                vae=c.vae, text_encoder=c.text_encoders[0], text_encoder_2=c.text_encoders[1],
+                tokenizer=c.tokenizers[0], tokenizer_2=c.tokenizers[1], unet=c.unet, scheduler=scheduler,
+                add_watermarker=False,
+            )
+            self.img2img = StableDiffusionXLImg2ImgPipeline(**self.txt2img.components)
+        else:
+            self.txt2img = StableDiffusionPipeline(
+                vae=c.vae, text_encoder=c.text_encoders[0], tokenizer=c.tokenizers[0], unet=c.unet,
+                scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+            )
+            self.img2img = StableDiffusionImg2ImgPipeline(**self.txt2img.components, requires_safety_checker=False)
+        for pipe in (self.txt2img, self.img2img):
+            pipe.set_progress_bar_config(disable=True)
+
+    def prompt_encoder(self, clip_skip: int = 1) -> PromptEncoder:
+        c = self.components
+        return PromptEncoder(c.tokenizers, c.text_encoders, c.config["text_encoders"], clip_skip)
+
+    def infotext(self, job: GenerationJob, seed: int) -> str:
+        spec = sampler_spec(job.sampler)
+        params: dict[str, Any] = {
+            "Steps": job.steps,
+            "Sampler": spec.infotext_sampler,
+            "Schedule type": spec.schedule_type or None,
+            "CFG scale": job.cfg_scale,
+            "Seed": seed,
+            "Size": f"{job.width}x{job.height}",
+            "Model hash": self.model_hash or None,
+            "Model": self.model_name or None,
+            "Denoising strength": job.denoising_strength if job.init_image is not None else None,
+            "Clip skip": job.clip_skip if job.clip_skip > 1 else None,
+        }
+        params.update(self.extra_params)
+        return format_infotext(job.prompt, job.negative_prompt, params)
+
+    def _init_latents(self, job: GenerationJob, batch: int) -> torch.Tensor:
+        vae = self.components.vae
+        image = job.init_image.convert("RGB").resize((job.width, job.height), Image.LANCZOS)
+        pixels = self.txt2img.image_processor.preprocess(image, height=job.height, width=job.width)
+        with torch.no_grad():
+            latents = vae.encode(pixels.to(vae.dtype)).latent_dist.mode() * vae.config.scaling_factor
+        return latents.repeat(batch, 1, 1, 1)
+
+    @torch.no_grad()
+    def run_batch(
+        self,
+        job: GenerationJob,
+        batch_index: int,
+        on_step: StepCallback | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[GeneratedImage]:
+        """Render batch ``batch_index`` of a validated job.
+
+        Args:
+            on_step: called as ``on_step(step, total)`` after every sampler step.
+            should_stop: polled after every step; True stops after that step.
+
+        Raises:
+            Interrupted: ``should_stop`` returned True; the batch is dropped.
+        """
+        start = time.perf_counter()
+        batch = job.batch_size
+        seeds = image_seeds(job.seed, batch, batch_index)
+        encoder = self.prompt_encoder(job.clip_skip)
+        cond, uncond = encoder.encode_pair(job.prompt, job.negative_prompt)
+        noise = ImageNoise(seeds, job.width, job.height, self.components.unet.config.in_channels)
+        stopped = False
+
+        def step_end(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+            nonlocal stopped
+            if on_step is not None:
+                on_step(step + 1, int(getattr(pipe, "num_timesteps", job.steps) or job.steps))
+            if should_stop is not None and should_stop():
+                stopped = True
+                pipe._interrupt = True
+            return tensors
+
+        kwargs: dict[str, Any] = {
+            "prompt_embeds": cond.embeds.repeat(batch, 1, 1),
+            "negative_prompt_embeds": uncond.embeds.repeat(batch, 1, 1),
+            "num_inference_steps": job.steps,
+            "guidance_scale": job.cfg_scale,
+            "output_type": "latent",
+            "callback_on_step_end": step_end,
+        }
+        if self.components.family == "sdxl":
+            kwargs["pooled_prompt_embeds"] = cond.pooled.repeat(batch, 1)
+            kwargs["negative_pooled_prompt_embeds"] = uncond.pooled.repeat(batch, 1)
+        if job.init_image is None:
+            pipe = self.txt2img
+            noise_first = noise.first()
+            kwargs.update(width=job.width, height=job.height, latents=noise_first, generator=noise.generators)
+        else:
+            pipe = self.img2img
+            kwargs.update(image=self._init_latents(job, batch), strength=job.denoising_strength,
+                          generator=noise.generators)
+            if self.components.family == "sdxl":
+                kwargs.update(original_size=(job.height, job.width), target_size=(job.height, job.width))
+        pipe.scheduler = make_scheduler(job.sampler, self.components.scheduler_config, seeds)
+        latents = pipe(**kwargs).images
+        if stopped:
+            raise Interrupted(f"stopped during batch {batch_index + 1} of {job.batch_count}")
+        vae = self.components.vae
+        decoded = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        images = pipe.image_processor.postprocess(decoded, output_type="pil")
+        seconds = (time.perf_counter() - start) / batch
+        return [GeneratedImage(img, seed, self.infotext(job, seed), seconds) for img, seed in zip(images, seeds)]
