@@ -165,7 +165,8 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
         ValueError: an unknown option key, device, op name or a value of the wrong kind.
     """
     if isinstance(options, BackendSettings):
-        options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+        options = {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
+                   "config": options.config_dict}
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:

@@ -60,11 +60,12 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()) if t.dtype != torch.bool else memoryview(
-        t.to(torch.uint8).numpy())
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return memoryview(t.view(torch.uint8).numpy())
 
 
 def _digest(t: torch.Tensor) -> bytes:

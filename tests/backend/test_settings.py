@@ -1,0 +1,86 @@
+"""Settings: defaults, validation errors that name the problem, deprecated variables, immutability."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from ov_backend import BackendSettings, build_settings
+from ov_backend.settings import OPTION_NAMES
+
+
+def test_defaults(monkeypatch):
+    for var in ("OPENVINO_TORCH_BACKEND_DEVICE", "OPENVINO_TORCH_MODEL_CACHING", "OPENVINO_TORCH_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    s = build_settings()
+    assert s.device == "CPU"
+    assert s.model_caching is False
+    assert s.aot_autograd is False and s.strict is False
+    assert s.cache_dir.is_absolute()
+    assert s.cache_dir != Path(os.getcwd())
+    assert s.config == () and s.disabled_ops == ()
+
+
+def test_option_names_are_the_stock_set_plus_strict():
+    assert set(OPTION_NAMES) == {"device", "model_caching", "cache_dir", "config", "decompositions",
+                                 "disabled_ops", "aot_autograd", "strict"}
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ValueError, match="'devcie'.*valid options: device"):
+        build_settings({"devcie": "CPU"})
+
+
+def test_unknown_device_lists_available():
+    with pytest.raises(ValueError, match=r"unknown OpenVINO device 'TPU'.*available devices: CPU"):
+        build_settings({"device": "TPU"})
+
+
+def test_multi_device_strings():
+    assert build_settings({"device": "AUTO"}).device == "AUTO"
+    assert build_settings({"device": "HETERO:CPU"}).device == "HETERO:CPU"
+    assert build_settings({"device": "MULTI:CPU"}).device == "MULTI:CPU"
+    with pytest.raises(ValueError, match="'NPU'"):
+        build_settings({"device": "HETERO:NPU,CPU"})
+
+
+def test_unknown_disabled_op_is_named():
+    with pytest.raises(ValueError, match="unknown op 'aten.not_an_op.default'"):
+        build_settings({"disabled_ops": ["aten.not_an_op.default"]})
+    s = build_settings({"disabled_ops": ["torch.ops.aten.convolution.default"]})
+    assert s.disabled_ops == ("aten.convolution.default",)
+
+
+def test_bad_values():
+    with pytest.raises(ValueError, match="'model_caching' must be a boolean"):
+        build_settings({"model_caching": "maybe"})
+    with pytest.raises(ValueError, match="'config' must be a dict"):
+        build_settings({"config": ["INFERENCE_PRECISION_HINT"]})
+    with pytest.raises(ValueError, match="not an aten op"):
+        build_settings({"decompositions": ["nothing.here"]})
+
+
+def test_env_variables_are_defaults_and_options_win(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENVINO_TORCH_BACKEND_DEVICE", "AUTO")
+    monkeypatch.setenv("OPENVINO_TORCH_MODEL_CACHING", "1")
+    monkeypatch.setenv("OPENVINO_TORCH_CACHE_DIR", str(tmp_path))
+    with pytest.warns(DeprecationWarning, match="OPENVINO_TORCH_BACKEND_DEVICE"):
+        s = build_settings()
+    assert (s.device, s.model_caching, s.cache_dir) == ("AUTO", True, tmp_path)
+    with pytest.warns(DeprecationWarning):
+        s = build_settings({"device": "CPU", "model_caching": False})
+    assert (s.device, s.model_caching) == ("CPU", False)
+
+
+def test_frozen_and_replace():
+    s = build_settings({"config": {"INFERENCE_PRECISION_HINT": "f32"}})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.device = "GPU"  # type: ignore[misc]
+    t = dataclasses.replace(s, strict=True)
+    assert t.strict and not s.strict
+    assert s.config_dict == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert build_settings(t) == t
+    assert isinstance(t, BackendSettings)

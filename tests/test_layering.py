@@ -1,0 +1,36 @@
+"""Imports point one way, down: backend <- SD layer <- WebUI adapter."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+HOST = {"modules", "gradio", "launch", "ov_accelerate_webui"}
+
+
+def test_backend_knows_only_torch_and_openvino():
+    for path, names in _imports("ov_backend").items():
+        if path.endswith("__main__.py"):
+            continue  # the CLI entry may dispatch lazily to the SD layer
+        assert not names & (HOST | {"diffusers", "transformers", "ov_accelerate_sd"}), path
+
+
+def test_sd_layer_knows_no_webui():
+    for path, names in _imports("ov_accelerate_sd").items():
+        assert not names & HOST, path
