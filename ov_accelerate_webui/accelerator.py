@@ -174,6 +174,11 @@ class Accelerator:
                 self._drop_all()
                 self._checkpoint = None
 
+    def backend_settings(self) -> list[Any]:
+        """Settings objects of the live backends (what the panel's choices became)."""
+        with self._lock:
+            return [getattr(backend, "settings", None) for backend in self._backends.values()]
+
     def compiled_paths(self) -> list[str]:
         """Paths of modules that have a compiled forward now (for the panel and tests)."""
         with self._lock:

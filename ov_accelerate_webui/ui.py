@@ -116,7 +116,7 @@ def build_panel(script: Any, extension: Any, is_img2img: bool) -> list[Any]:
             cache_size = gr.Textbox(
                 label=EXTRA_CONTROLS["cache_size"][0],
                 interactive=False,
-                value=lambda: _safe(extension.cache_size_text, ""),
+                value=lambda: _safe(lambda: extension.cache_size_text(str(defaults["cache_dir"])), ""),
                 elem_id=ids["cache_size"],
             )
             clear = gr.Button(EXTRA_CONTROLS["clear_cache"][0], elem_id=ids["clear_cache"])

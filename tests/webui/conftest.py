@@ -74,6 +74,20 @@ def extension(fake_host: SimpleNamespace, backend_api: Any) -> Any:
     ext.unload()
 
 
+@pytest.fixture(scope="session")
+def shared_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One disk cache for the session: tests that compile the same tiny weights reuse its entries."""
+    return tmp_path_factory.mktemp("ov_cache")
+
+
+@pytest.fixture
+def f32(shared_cache_dir: Path) -> Any:
+    """Settings for tests comparing images: full precision, the session's disk cache."""
+    from ov_accelerate_webui.settings import build_settings
+
+    return build_settings({"precision": "f32", "cache_dir": str(shared_cache_dir)})
+
+
 def make_p(host: SimpleNamespace, model: Any = None, **kwargs: Any) -> Any:
     """A txt2img processing object with small, fixed defaults."""
     params = {

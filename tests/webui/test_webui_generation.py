@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -9,9 +10,6 @@ import torch
 from conftest import IMAGE_TOLERANCE, make_p, max_pixel_diff
 
 from ov_accelerate_webui.routing import is_routed
-from ov_accelerate_webui.settings import build_settings
-
-F32 = build_settings({"precision": "f32", "model_caching": False})
 
 
 def routed_modules(model: Any) -> dict[str, bool]:
@@ -23,14 +21,14 @@ def routed_modules(model: Any) -> dict[str, bool]:
     }
 
 
-def test_routed_during_process_images_and_restored_after(fake_host: Any, extension: Any) -> None:
+def test_routed_during_process_images_and_restored_after(fake_host: Any, extension: Any, f32: Any) -> None:
     seen: list[dict[str, bool]] = []
     fake_host.callbacks.on_cfg_denoiser(lambda params: seen.append(routed_modules(fake_host.model)))
     baseline = fake_host.processing.process_images(make_p(fake_host))
     assert seen and not any(any(s.values()) for s in seen)
     seen.clear()
 
-    processed = extension.run(make_p(fake_host), F32)
+    processed = extension.run(make_p(fake_host), f32)
 
     assert seen and all(all(s.values()) for s in seen), seen
     assert not any(routed_modules(fake_host.model).values())
@@ -39,36 +37,36 @@ def test_routed_during_process_images_and_restored_after(fake_host: Any, extensi
     assert extension.last_status in processed.comments
 
 
-def test_infotext_records_openvino(fake_host: Any, extension: Any) -> None:
-    processed = extension.run(make_p(fake_host), F32)
+def test_infotext_records_openvino(fake_host: Any, extension: Any, f32: Any) -> None:
+    processed = extension.run(make_p(fake_host), f32)
     assert 'OpenVINO: "CPU, UNet+VAE+TE, f32"' in processed.infotexts[0]
 
 
-def test_restored_after_exception(fake_host: Any, extension: Any) -> None:
+def test_restored_after_exception(fake_host: Any, extension: Any, f32: Any) -> None:
     def boom(params: Any) -> None:
         if params.sampling_step == 1:
             raise RuntimeError("sampler failed")
 
     fake_host.callbacks.on_cfg_denoiser(boom)
     with pytest.raises(RuntimeError, match="sampler failed"):
-        extension.run(make_p(fake_host), F32)
+        extension.run(make_p(fake_host), f32)
     assert not any(routed_modules(fake_host.model).values())
 
 
-def test_restored_after_interrupt(fake_host: Any, extension: Any) -> None:
+def test_restored_after_interrupt(fake_host: Any, extension: Any, f32: Any) -> None:
     state = fake_host.shared.state
 
     def interrupt(params: Any) -> None:
         state.interrupt()
 
     fake_host.callbacks.on_cfg_denoiser(interrupt)
-    processed = extension.run(make_p(fake_host, steps=3), F32)
+    processed = extension.run(make_p(fake_host, steps=3), f32)
     assert state.sampling_step == 0 and len(processed.images) == 1
     assert not any(routed_modules(fake_host.model).values())
 
 
-def test_lora_style_in_place_weight_change_is_picked_up(fake_host: Any, extension: Any) -> None:
-    first = extension.run(make_p(fake_host), F32)
+def test_lora_style_in_place_weight_change_is_picked_up(fake_host: Any, extension: Any, f32: Any) -> None:
+    first = extension.run(make_p(fake_host), f32)
     unet = fake_host.model.model.diffusion_model.unet
     with torch.no_grad():  # what A1111's networks do: change Linear/Conv weights in place
         for module in unet.modules():
@@ -77,34 +75,36 @@ def test_lora_style_in_place_weight_change_is_picked_up(fake_host: Any, extensio
     baseline = fake_host.processing.process_images(make_p(fake_host))
     assert max_pixel_diff(baseline, first) > IMAGE_TOLERANCE, "the weight change must change the image"
 
-    second = extension.run(make_p(fake_host), F32)
+    second = extension.run(make_p(fake_host), f32)
     assert max_pixel_diff(second, baseline) <= IMAGE_TOLERANCE
 
 
-def test_checkpoint_change(fake_host: Any, extension: Any) -> None:
-    extension.run(make_p(fake_host), F32)
+def test_checkpoint_change(fake_host: Any, extension: Any, f32: Any) -> None:
+    extension.run(make_p(fake_host), f32)
     other = fake_host.sd_models.load_model(
         fake_host.make_model(seed=7), fake_host.sd_models.CheckpointInfo(str(fake_host.tmp_path / "b.ckpt"), "b" * 64)
     )
     baseline = fake_host.processing.process_images(make_p(fake_host, model=other))
 
-    processed = extension.run(make_p(fake_host, model=other), F32)
+    processed = extension.run(make_p(fake_host, model=other), f32)
 
     assert max_pixel_diff(processed, baseline) <= IMAGE_TOLERANCE
     assert not any(routed_modules(fake_host.model).values()) and not any(routed_modules(other).values())
 
 
-def test_unchecked_parts_stay_in_pytorch(fake_host: Any, extension: Any) -> None:
+def test_unchecked_parts_stay_in_pytorch(fake_host: Any, extension: Any, f32: Any) -> None:
     seen: list[dict[str, bool]] = []
     fake_host.callbacks.on_cfg_denoiser(lambda params: seen.append(routed_modules(fake_host.model)))
-    settings = build_settings({"precision": "f32", "model_caching": False, "vae": False, "text_encoder": False})
+    settings = dataclasses.replace(f32, vae=False, text_encoder=False)
     processed = extension.run(make_p(fake_host), settings)
     assert seen[0] == {"unet": True, "vae_decoder": False, "vae_encoder": False, "text_encoder": False}
     assert 'OpenVINO: "CPU, UNet, f32"' in processed.infotexts[0]
 
 
 @pytest.mark.parametrize("kind", ["forge", "sd3"])
-def test_unsupported_model_gets_message_and_still_generates(fake_host: Any, extension: Any, kind: str) -> None:
+def test_unsupported_model_gets_message_and_still_generates(
+    fake_host: Any, extension: Any, f32: Any, kind: str
+) -> None:
     model = fake_host.model
     if kind == "forge":
         model.forge_objects = object()
@@ -112,7 +112,7 @@ def test_unsupported_model_gets_message_and_still_generates(fake_host: Any, exte
         model.is_sd1, model.is_sd3 = False, True
     baseline = fake_host.processing.process_images(make_p(fake_host))
 
-    processed = extension.run(make_p(fake_host), F32)
+    processed = extension.run(make_p(fake_host), f32)
 
     assert max_pixel_diff(processed, baseline) == 0
     assert "plain PyTorch" in processed.comments
@@ -120,12 +120,12 @@ def test_unsupported_model_gets_message_and_still_generates(fake_host: Any, exte
     assert "OpenVINO" not in processed.infotexts[0]
 
 
-def test_backend_missing_gets_message_and_still_generates(fake_host: Any) -> None:
+def test_backend_missing_gets_message_and_still_generates(fake_host: Any, f32: Any) -> None:
     from ov_accelerate_webui.backend_bridge import BackendUnavailable
     from ov_accelerate_webui.extension import Extension
 
     def missing() -> Any:
         raise BackendUnavailable("OpenVINO acceleration is unavailable: No module named 'openvino'. Restart ...")
 
-    processed = Extension(load_api=missing).run(make_p(fake_host), F32)
+    processed = Extension(load_api=missing).run(make_p(fake_host), f32)
     assert len(processed.images) == 1 and "No module named 'openvino'" in processed.comments

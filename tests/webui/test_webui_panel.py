@@ -1,0 +1,169 @@
+"""The panel under gradio 3.41.2, the settings section, and each control reaching the backend settings."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import pytest
+import torch
+from conftest import make_p
+
+from ov_accelerate_webui import create_extension
+from ov_accelerate_webui.backend_bridge import BackendApi
+from ov_accelerate_webui.extension import Extension
+from ov_accelerate_webui.settings import FIELD_NAMES, PRECISION_AUTO, PRECISION_F32, from_ui_args
+from ov_accelerate_webui.ui import PanelHandlers, option_key
+
+
+def make_script(extension: Extension, is_img2img: bool = False) -> Any:
+    from ov_accelerate_webui.script import make_script_class
+
+    script = make_script_class(extension)()
+    script.is_img2img, script.is_txt2img = is_img2img, not is_img2img
+    return script
+
+
+def test_script_identity(fake_host: Any, extension: Extension) -> None:
+    script = make_script(extension)
+    assert script.title() == "Accelerate with OpenVINO"
+    assert script.show(False) is True and script.show(True) is True
+    assert script.elem_id("device") == "script_txt2img_accelerate_with_openvino_device"
+
+
+@pytest.mark.parametrize("is_img2img", [False, True])
+def test_panel_builds_with_controls_in_field_order(fake_host: Any, extension: Extension, is_img2img: bool) -> None:
+    script = make_script(extension, is_img2img)
+    with gr.Blocks() as demo:
+        components = script.ui(is_img2img)
+    assert [c.elem_id for c in components] == [script.elem_id(name) for name in FIELD_NAMES]
+    kinds = [type(c).__name__ for c in components]
+    assert kinds == ["Dropdown", "Checkbox", "Checkbox", "Checkbox", "Radio", "Checkbox", "Textbox"]
+    device = components[0]
+    assert any(label.startswith("CPU: ") for label in device.choices) and "AUTO: let OpenVINO choose" in device.choices
+    config = demo.get_config_file()
+    html = " ".join(str(c.get("props", {}).get("value", "")) for c in config["components"])
+    assert "ov-accelerate-config" in html and script.elem_id("clear_cache") in html
+
+
+def test_each_control_reaches_backend_settings(fake_host: Any, extension: Extension, tmp_path: Path) -> None:
+    device_label = next(label for label, name in extension.device_choices() if name == "CPU")
+    ui_values = [device_label, False, True, True, PRECISION_F32, False, str(tmp_path / "cache")]
+    settings = from_ui_args(ui_values, extension.device_names())
+    prepared = extension.accelerator().prepare(fake_host.model, settings, "unused")
+    backend = prepared.backend.settings
+    assert backend.device == "CPU" and backend.model_caching is False
+    assert Path(backend.cache_dir) == tmp_path / "cache"
+    assert dict(backend.config) == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert "model.diffusion_model" not in [r.label for r in prepared.routes]
+    assert {r.label for r in prepared.routes} == {
+        "first_stage_model.decoder",
+        "first_stage_model.encoder",
+        "cond_stage_model.wrapped.transformer",
+    }
+
+    auto = from_ui_args(["CPU", True, False, False, PRECISION_AUTO, True, ""], extension.device_names())
+    prepared = extension.accelerator().prepare(fake_host.model, auto, str(tmp_path / "default"))
+    assert dict(prepared.backend.settings.config) == {}
+    assert prepared.backend.settings.model_caching is True
+    assert Path(prepared.backend.settings.cache_dir) == tmp_path / "default"
+    assert [r.label for r in prepared.routes] == ["model.diffusion_model"]
+
+
+def test_bad_script_args_are_rejected_with_the_fix(fake_host: Any, extension: Extension) -> None:
+    with pytest.raises(ValueError, match="available"):
+        from_ui_args(["GPU.7"], extension.device_names())
+    with pytest.raises(ValueError, match="precision"):
+        from_ui_args(["CPU", True, True, True, "bf17"])
+    with pytest.raises(ValueError, match="at most 7"):
+        from_ui_args([None] * 8)
+
+
+def test_settings_section_sets_panel_defaults(fake_host: Any, backend_api: BackendApi) -> None:
+    loaded = create_extension()
+    loaded.register_callbacks()
+    fake_host.callbacks.ui_settings_callback()
+    opts = fake_host.shared.opts
+    for name in FIELD_NAMES:
+        info = opts.data_labels[option_key(name)]
+        assert info.section == ("openvino", "OpenVINO")
+    opts.openvino_precision = PRECISION_F32
+    opts.openvino_vae = False
+    script = make_script(Extension(load_api=lambda: backend_api))
+    with gr.Blocks():
+        components = script.ui(False)
+    values = dict(zip(FIELD_NAMES, (c.value for c in components)))
+    assert values["precision"] == PRECISION_F32 and values["vae"] is False and values["unet"] is True
+
+
+def test_device_choices_list_full_names_auto_and_hetero(backend_api: BackendApi) -> None:
+    devices = [("CPU", "Intel(R) Xeon(R)"), ("GPU.0", "Intel(R) Arc(TM) A770 Graphics"), ("NPU", "Intel(R) AI Boost")]
+    api = BackendApi(backend_api.build_settings, backend_api.backend_class, lambda: devices, backend_api.model_cache)
+    labels = dict(Extension(load_api=lambda: api).device_choices())
+    assert labels["GPU.0: Intel(R) Arc(TM) A770 Graphics"] == "GPU.0"
+    assert labels["NPU: Intel(R) AI Boost"] == "NPU"
+    assert "AUTO" in labels.values() and "HETERO:GPU.0,NPU,CPU" in labels.values()
+
+
+def test_clear_cache_needs_confirmation(
+    fake_host: Any, extension: Extension, backend_api: BackendApi, tmp_path: Path
+) -> None:
+    cache_dir = tmp_path / "cache"
+    backend = backend_api.backend_class(
+        backend_api.build_settings(
+            {"model_caching": True, "cache_dir": str(cache_dir), "config": {"INFERENCE_PRECISION_HINT": "f32"}}
+        )
+    )
+    torch.compile(torch.nn.Linear(4, 4), backend=backend)(torch.randn(2, 4))
+    handlers = PanelHandlers(extension)
+    size_before = handlers.refresh(str(cache_dir))[0]
+    assert backend_api.model_cache(str(cache_dir)).total_bytes() > 0 and "0 entries" not in size_before
+
+    assert handlers.clear_cache(str(cache_dir), False).startswith("Not cleared")
+    assert backend_api.model_cache(str(cache_dir)).total_bytes() > 0
+    assert handlers.clear_cache(str(cache_dir), True).startswith("Cleared. 0 entries")
+    assert backend_api.model_cache(str(cache_dir)).total_bytes() == 0
+
+
+def test_precompile_reports_progress_and_ready_sizes(fake_host: Any, extension: Extension, f32: Any) -> None:
+    handlers = PanelHandlers(extension)
+    args = [getattr(f32, name) for name in FIELD_NAMES]
+    updates = list(handlers.precompile("64x64", 1, *args))
+    assert updates[0][0].startswith("Compiling 64x64 (1/1)") and updates[-1][0] == "Ready: 64x64."
+    assert "64x64" in updates[-1][1]
+    processed = extension.run(make_p(fake_host), f32)
+    assert "No new compile" in processed.comments
+    assert list(handlers.precompile("64x65", 1, *args))[0][0].startswith("Failed: Size '64x65'")
+
+
+def test_two_threads_share_compiled_models_safely(fake_host: Any, extension: Extension, f32: Any) -> None:
+    settings = f32.__class__(**{**f32.__dict__, "vae": False, "text_encoder": False})
+    prepared = extension.accelerator().prepare(fake_host.model, settings, "unused")
+    unet_forward = prepared.routes[0].forward
+    unet = fake_host.model.model.diffusion_model
+    inputs = [
+        (
+            torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(i)),
+            torch.tensor([10.0, 10.0]),
+            torch.randn(2, 77, 32, generator=torch.Generator().manual_seed(i)),
+        )
+        for i in range(2)
+    ]
+    with torch.no_grad():
+        expected = [unet(*args) for args in inputs]
+        unet_forward(*inputs[0])  # compile once
+        results: dict[int, torch.Tensor] = {}
+
+        def work(i: int) -> None:
+            for _ in range(3):
+                results[i] = unet_forward(*inputs[i])
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i in range(2):
+        torch.testing.assert_close(results[i], expected[i], atol=1e-3, rtol=1e-3)
