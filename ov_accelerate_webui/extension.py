@@ -115,9 +115,7 @@ class Extension:
         label = settings.infotext()
         self.ready.add(checkpoint, label, Size(int(p.width), int(p.height), int(p.batch_size)))
         if getattr(p, "enable_hr", False) and getattr(p, "hr_upscale_to_x", 0):
-            self.ready.add(
-                checkpoint, label, Size(int(p.hr_upscale_to_x), int(p.hr_upscale_to_y), int(p.batch_size))
-            )
+            self.ready.add(checkpoint, label, Size(int(p.hr_upscale_to_x), int(p.hr_upscale_to_y), int(p.batch_size)))
 
     def precompile(self, sizes_text: str, batch_size: int, settings: AccelerateSettings) -> Iterator[str]:
         """Compile each size ahead of a batch job (a 1-step generation each); yields progress lines.
@@ -151,9 +149,7 @@ class Extension:
         ready = self.ready.for_checkpoint(checkpoint_key(model))
         if not ready:
             return "No size compiled yet for this checkpoint."
-        return "\n".join(
-            f"{label}: {', '.join(s.label() for s in sizes)}" for label, sizes in sorted(ready.items())
-        )
+        return "\n".join(f"{label}: {', '.join(s.label() for s in sizes)}" for label, sizes in sorted(ready.items()))
 
     # --- disk cache ------------------------------------------------------------------------------
     def cache_dir(self, folder: str) -> str:

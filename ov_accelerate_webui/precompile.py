@@ -41,9 +41,7 @@ def parse_sizes(text: str, batch_size: int) -> list[Size]:
         width, height = int(match.group(1)), int(match.group(2))
         for value in (width, height):
             if value % 8 or not 64 <= value <= 4096:
-                raise ValueError(
-                    f"Size {entry!r}: width and height must be multiples of 8 between 64 and 4096"
-                )
+                raise ValueError(f"Size {entry!r}: width and height must be multiples of 8 between 64 and 4096")
         size = Size(width, height, int(batch_size))
         if size not in sizes:
             sizes.append(size)
@@ -67,9 +65,7 @@ class ReadySizes:
     def for_checkpoint(self, checkpoint: str) -> dict[str, list[Size]]:
         """Settings label -> sorted sizes, for one checkpoint."""
         with self._lock:
-            return {
-                label: sorted(sizes) for (ckpt, label), sizes in self._ready.items() if ckpt == checkpoint
-            }
+            return {label: sorted(sizes) for (ckpt, label), sizes in self._ready.items() if ckpt == checkpoint}
 
     def clear(self) -> None:
         """Forget everything (model unloaded, memory released)."""

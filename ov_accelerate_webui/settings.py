@@ -41,9 +41,7 @@ class AccelerateSettings:
     """OpenVINO device name: "CPU", "GPU.0", "NPU", "AUTO" or "HETERO:..."."""
     unet: bool = field(
         default=True,
-        metadata=_meta(
-            "Accelerate UNet", "Run the denoising UNet (most of the time of a generation) in OpenVINO."
-        ),
+        metadata=_meta("Accelerate UNet", "Run the denoising UNet (most of the time of a generation) in OpenVINO."),
     )
     """Route the UNet (``model.diffusion_model``) through OpenVINO."""
     vae: bool = field(
@@ -56,9 +54,7 @@ class AccelerateSettings:
     """Route the VAE encoder and decoder (``first_stage_model``) through OpenVINO."""
     text_encoder: bool = field(
         default=True,
-        metadata=_meta(
-            "Accelerate text encoder", "Run the CLIP text encoder that reads the prompt in OpenVINO."
-        ),
+        metadata=_meta("Accelerate text encoder", "Run the CLIP text encoder that reads the prompt in OpenVINO."),
     )
     """Route the text encoder(s) through OpenVINO."""
     precision: str = field(
@@ -128,9 +124,7 @@ def _check_bool(name: str, value: Any) -> bool:
     raise ValueError(f"OpenVINO setting {name!r} must be true or false, got {value!r}")
 
 
-def build_settings(
-    values: Mapping[str, Any], device_names: Sequence[str] | None = None
-) -> AccelerateSettings:
+def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None = None) -> AccelerateSettings:
     """Build validated settings from a mapping; missing keys take the defaults.
 
     Args:

@@ -29,8 +29,7 @@ def run_status(
     reports = list(reports)
     devices = sorted({str(getattr(r, "device", settings.device)) for r in reports}) or [settings.device]
     lines = [
-        f"OpenVINO ({settings.infotext()}) on {', '.join(devices)}: "
-        f"{', '.join(routed_paths) or 'nothing routed'}."
+        f"OpenVINO ({settings.infotext()}) on {', '.join(devices)}: " f"{', '.join(routed_paths) or 'nothing routed'}."
     ]
     lines.append(
         f"Compile {stats.get('compile_seconds', 0.0):.1f} s, run {stats.get('run_seconds', 0.0):.1f} s; "
@@ -44,13 +43,9 @@ def run_status(
         if summary is not None:
             lines.append(f"  {summary()}")
     if fallbacks:
-        lines.append(
-            "Ran in PyTorch: " + "; ".join(f"{op} ({reason})" for op, reason in sorted(fallbacks.items()))
-        )
+        lines.append("Ran in PyTorch: " + "; ".join(f"{op} ({reason})" for op, reason in sorted(fallbacks.items())))
     else:
-        lines.append(
-            "Nothing fell back to PyTorch." if reports else "No new compile: compiled models reused."
-        )
+        lines.append("Nothing fell back to PyTorch." if reports else "No new compile: compiled models reused.")
     return "\n".join(lines)
 
 

@@ -91,9 +91,7 @@ def build_panel(script: Any, extension: Any, is_img2img: bool) -> list[Any]:
         )
         with gr.Row():
             for name in ("unet", "vae", "text_encoder"):
-                fields[name] = gr.Checkbox(
-                    label=meta[name]["label"], value=bool(defaults[name]), elem_id=ids[name]
-                )
+                fields[name] = gr.Checkbox(label=meta[name]["label"], value=bool(defaults[name]), elem_id=ids[name])
         fields["precision"] = gr.Radio(
             label=meta["precision"]["label"],
             choices=list(PRECISIONS),
@@ -162,11 +160,12 @@ def build_panel(script: Any, extension: Any, is_img2img: bool) -> list[Any]:
         _js="ovAccelerate.confirmClear",
     )
     refresh.click(handlers.refresh, inputs=[fields["cache_dir"]], outputs=[cache_size, ready, status])
+    outputs = [progress, ready]
     precompile.click(
         handlers.precompile,
         inputs=[sizes, batch, *args],
-        outputs=[progress, ready],
-        _js="ovAccelerate.startCompile",
+        outputs=outputs,
+        _js=f"(...a) => ovAccelerate.startCompile(a, {len(outputs)}, {json.dumps(ids['precompile_progress'])})",
     )
     return args
 
