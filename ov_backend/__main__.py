@@ -1,10 +1,19 @@
-"""``python -m ov_backend``: a first compile on a tiny model built here (until the full CLI lands)."""
+"""``python -m ov_backend``: the command line (generate, devices, cache, demo).
+
+A thin entry point: the commands live in ``ov_accelerate_sd.cli``, imported only here, so
+``import ov_backend`` never pulls in diffusers or transformers.
+"""
 
 from __future__ import annotations
 
 import sys
 
-from ov_backend.demo import main
+
+def main() -> int:
+    from ov_accelerate_sd.cli import main as cli_main
+
+    return cli_main()
+
 
 if __name__ == "__main__":
     sys.exit(main())

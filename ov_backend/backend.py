@@ -96,7 +96,12 @@ class OVBackend:
         """Compile for the configured device, with OpenVINO's blob cache when caching is on."""
         config = self.settings.config_dict
         if self.settings.model_caching and "CACHE_DIR" not in config:
-            config["CACHE_DIR"] = str(self.cache.blob_dir)
+            try:
+                self.cache.blob_dir.mkdir(parents=True, exist_ok=True)
+                config["CACHE_DIR"] = str(self.cache.blob_dir)
+            except OSError as err:
+                logger.warning("OpenVINO blob cache %s is not usable (%s); compiling without it",
+                               self.cache.blob_dir, err)
         return self.core.compile_model(model, self.settings.device, config)
 
     def cache_load(self, key: str) -> ov.Model | None:
@@ -126,7 +131,11 @@ class OVBackend:
         return self.stats_counter.snapshot()
 
     def reset(self) -> None:
-        """Drop compiled graphs, reports and counters (call ``torch._dynamo.reset()`` too to recapture)."""
+        """Drop compiled graphs, reports and counters.
+
+        ``torch._dynamo.reset()`` calls this on every backend it used, so that nothing compiled
+        outlives dynamo's own caches.
+        """
         with self._lock:
             self._graphs.clear()
             self._reports.clear()
