@@ -201,9 +201,7 @@ class PromptEncoder:
                     tokens[end + 1 :] = [pad_id] * (len(tokens) - end - 1)
                 hidden, pooled = self._run(index, torch.tensor([tokens]))
                 weights = torch.tensor(chunk.weights, dtype=hidden.dtype).reshape(1, -1, 1)
-                mean = hidden.mean()
-                hidden = hidden * weights
-                hidden = hidden * (mean / hidden.mean())
+                hidden = _apply_weights(hidden, weights)
                 outs.append(hidden)
                 if pooled is not None and number == 0:
                     pooled_first = pooled
@@ -224,6 +222,20 @@ class PromptEncoder:
             else:
                 uncond = Conditioning(_pad(uncond.embeds, empty, cond.chunks - uncond.chunks), uncond.pooled)
         return cond, uncond
+
+
+def _apply_weights(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Scale token vectors by their weights, then restore the original mean (the WebUI's way).
+
+    A mean of (almost) exactly zero, as a freshly initialised final LayerNorm gives, cannot be
+    restored; the weighted vectors are then kept as they are instead of dividing by zero.
+    """
+    mean = hidden.mean()
+    weighted = hidden * weights
+    new_mean = weighted.mean()
+    if new_mean.abs() <= 1e-6 * weighted.abs().mean():
+        return weighted
+    return weighted * (mean / new_mean)
 
 
 def _pad(embeds: torch.Tensor, empty: torch.Tensor, count: int) -> torch.Tensor:

@@ -1,0 +1,219 @@
+"""Command line: ``python -m ov_backend generate|devices|cache|demo``.
+
+An entry point with no logic of its own beyond arguments and output: it validates the
+arguments (argparse message and exit code 2 on anything wrong, before any model is loaded),
+loads the checkpoint, routes it through ov_backend, renders the jobs, saves PNGs with the
+WebUI's infotext, and prints progress and a summary. The first Ctrl-C stops after the current
+sampler step (exit code 130), keeping the images already saved; a second one aborts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 130
+PARTS = ("text_encoder", "unet", "vae")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.I)
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _multiple_of_8(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 64 or value % 8:
+        raise argparse.ArgumentTypeError(f"{value} must be a multiple of 8 and at least 64 (e.g. 512, 768)")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _strength(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
+
+
+def _sampler(text: str) -> str:
+    from .samplers import sampler_spec
+
+    try:
+        return sampler_spec(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_size(text: str) -> int:
+    """"2G", "500M", "1.5GB", "1024" -> bytes (powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500M, 2G)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of all commands."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ov_backend", description="Stable Diffusion through OpenVINO, from WebUI checkpoints."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log compile reports and details")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,devices,cache,demo}")
+
+    gen = commands.add_parser("generate", help="render images from a WebUI .safetensors checkpoint")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="WebUI checkpoint (.safetensors, or .ckpt)")
+    source.add_argument("--demo", action="store_true",
+                        help="build (once) a tiny SD-1.5-shaped model with random weights and use it")
+    gen.add_argument("--vae", type=Path, help="separate VAE file replacing the checkpoint's")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="the prompt (WebUI syntax: (word:1.2), [word], BREAK)")
+    prompt.add_argument("--prompts-file", type=Path, help="one prompt per line; each line is one job")
+    gen.add_argument("--negative-prompt", default="")
+    gen.add_argument("--steps", type=_positive, default=None, help="sampling steps (default 20; demo 8)")
+    gen.add_argument("--cfg-scale", type=float, default=7.0)
+    gen.add_argument("--sampler", type=_sampler, default="Euler a", help="WebUI sampler name, e.g. 'DPM++ 2M Karras'")
+    gen.add_argument("--width", type=_multiple_of_8, default=None, help="multiple of 8 (default 512; demo 128)")
+    gen.add_argument("--height", type=_multiple_of_8, default=None, help="multiple of 8 (default 512; demo 128)")
+    gen.add_argument("--seed", type=int, default=-1, help="-1: random; image i of a job gets seed + i")
+    gen.add_argument("--batch-size", type=_positive, default=1)
+    gen.add_argument("--batch-count", type=_positive, default=1)
+    gen.add_argument("--init-image", type=Path, help="img2img: start from this image")
+    gen.add_argument("--denoising-strength", type=_strength, default=0.75)
+    gen.add_argument("--clip-skip", type=_positive, default=1)
+    gen.add_argument("--device", default="CPU", help="OpenVINO device (see the devices command)")
+    gen.add_argument("--precision", choices=("auto", "f32"), default="auto",
+                     help="auto: the plugin chooses (bf16 on CPUs that have it); f32: force f32")
+    gen.add_argument("--cache-dir", type=Path, help="compiled-model cache (default: per-user cache folder)")
+    gen.add_argument("--no-cache", action="store_true", help="do not read or write the compiled-model cache")
+    gen.add_argument("--pytorch", action="append", choices=PARTS, default=[], metavar="PART",
+                     help=f"leave this part in PyTorch (repeatable; one of {', '.join(PARTS)})")
+    gen.add_argument("--out", type=Path, default=Path("outputs"), help="folder for the PNGs (default: outputs)")
+
+    commands.add_parser("devices", help="the devices OpenVINO sees, with full names and capabilities")
+
+    cache = commands.add_parser("cache", help="the compiled-model cache")
+    cache.add_argument("action", choices=("list", "clear", "prune"))
+    cache.add_argument("keys", nargs="*", help="clear: only these entries")
+    cache.add_argument("--max-size", type=parse_size, help="prune: total size to keep (e.g. 2G, 500M)")
+    cache.add_argument("--cache-dir", type=Path, help="cache folder (default: per-user cache folder)")
+
+    commands.add_parser("demo", help="ov_backend's own demo: compile a small CNN and compare with PyTorch",
+                        add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["demo"]:
+        from ov_backend.demo import main as backend_demo
+
+        return backend_demo(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "devices":
+        return _devices()
+    if args.command == "cache":
+        return _cache(parser, args)
+    from .generate_command import run_generate
+
+    return run_generate(parser, args)
+
+
+def _devices() -> int:
+    from ov_backend.devices import device_info
+
+    for info in device_info():
+        caps = ", ".join(info.capabilities) or "-"
+        _out(f"{info.name:10} {info.full_name}  [{caps}]")
+    return 0
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"
+
+
+def _cache(parser: argparse.ArgumentParser, args: Any) -> int:
+    from ov_backend.cache import ModelCache
+    from ov_backend.settings import default_cache_dir
+
+    if args.action == "prune" and args.max_size is None:
+        parser.error("cache prune needs --max-size (e.g. --max-size 2G)")
+    if args.action != "prune" and args.max_size is not None:
+        parser.error("--max-size only applies to 'cache prune'")
+    if args.action != "clear" and args.keys:
+        parser.error(f"entry keys only apply to 'cache clear', not {args.action!r}")
+    folder = args.cache_dir or default_cache_dir()
+    cache = ModelCache(folder)
+    if args.action == "list":
+        entries = cache.entries()
+        for entry in entries:
+            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
+            _out(f"{entry.key}  {_human(entry.size_bytes):>10}  {used}  {entry.description}")
+        _out(f"{len(entries)} entries, {_human(sum(e.size_bytes for e in entries))} in {folder}")
+    elif args.action == "clear":
+        removed = cache.clear(args.keys or None)
+        _out(f"removed {len(removed)} entries from {folder}")
+    else:
+        removed = cache.prune(args.max_size)
+        _out(f"removed {len(removed)} entries; {_human(sum(e.size_bytes for e in cache.entries()))} left in {folder}")
+    return 0
+
+
+class StopRequest:
+    """SIGINT handler: the first Ctrl-C asks to stop after the current step, the second aborts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        _err("\nstopping after the current step (Ctrl-C again to abort)")
+
+    def __enter__(self) -> StopRequest:
+        self._previous = signal.signal(signal.SIGINT, self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        signal.signal(signal.SIGINT, self._previous)
