@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -156,14 +157,21 @@ def test_two_threads_share_compiled_models_safely(fake_host: Any, extension: Ext
         unet_forward(*inputs[0])  # compile once
         results: dict[int, torch.Tensor] = {}
 
+        errors: list[str] = []
+
         def work(i: int) -> None:
-            for _ in range(3):
-                results[i] = unet_forward(*inputs[i])
+            try:
+                with torch.no_grad():
+                    for _ in range(3):
+                        results[i] = unet_forward(*inputs[i])
+            except Exception:  # reported below, with the thread's traceback
+                errors.append(traceback.format_exc())
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+    assert not errors, errors[0]
     for i in range(2):
         torch.testing.assert_close(results[i], expected[i], atol=1e-3, rtol=1e-3)
