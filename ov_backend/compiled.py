@@ -263,12 +263,20 @@ class CompiledGraph:
         finally:
             self.backend.add_report(report)
 
-    def _compile(self, model: ov.Model) -> tuple[ov.CompiledModel, float]:
+    def _compile(self, model: ov.Model, part: PartitionReport) -> ov.CompiledModel:
         start = time.perf_counter()
         compiled = self.backend.compile_model(model)
-        seconds = time.perf_counter() - start
-        self.backend.stats_counter.add(compile_seconds=seconds, compiles=1)
-        return compiled, seconds
+        part.compile_seconds = time.perf_counter() - start
+        self.backend.stats_counter.add(compile_seconds=part.compile_seconds, compiles=1)
+        for prop, attr in (("EXECUTION_DEVICES", "execution_devices"), ("INFERENCE_PRECISION_HINT", "precision")):
+            try:
+                value = compiled.get_property(prop)
+            except RuntimeError:  # not every plugin reports every property
+                continue
+            if isinstance(value, ov.Type):
+                value = value.to_string()
+            setattr(part, attr, tuple(str(v) for v in value) if isinstance(value, list) else str(value))
+        return compiled
 
     def _build_dynamic(self, sig: tuple[Any, ...], user_values: Sequence[Any],
                        weight_values: Sequence[torch.Tensor], variants: dict[Any, Any],
@@ -302,7 +310,7 @@ class CompiledGraph:
         model = base.clone()
         model.reshape({i: ov.PartialShape(list(s[0])) for i, s in enumerate(sig)})
         try:
-            compiled, part.compile_seconds = self._compile(model)
+            compiled = self._compile(model, part)
         except RuntimeError as err:
             report.warnings.append(f"compile failed: {err}")
             logger.warning("%s: OpenVINO could not compile the reshaped model (%s); tracing this shape",
@@ -384,11 +392,12 @@ class CompiledGraph:
         sub = graph.get_submodule(name)
         part = PartitionReport(name, ops=sum(1 for n in sub.graph.nodes if n.op == "call_function"))
         report.partitions.append(part)
-        consts = [b for b in sub.buffers()]
-        key = self._key("partition", name, {"code": sub.code, "constants": weights.fingerprint(consts),
-                                            "inputs": [repr(n.meta.get("val")) for n in sub.graph.nodes
-                                                       if n.op == "placeholder"]})
-        model = self.backend.cache_load(key)
+        key = None
+        if self.backend.settings.model_caching:  # hashing the constants costs time: only for the disk cache
+            key = self._key("partition", name, {
+                "code": sub.code, "constants": weights.fingerprint(list(sub.buffers())),
+                "inputs": [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"]})
+        model = self.backend.cache_load(key) if key else None
         part.cache_hit = model is not None
         if model is None:
             start = time.perf_counter()
@@ -403,9 +412,10 @@ class CompiledGraph:
                            err)
                 return err
             part.convert_seconds = time.perf_counter() - start
-            self.backend.cache_store(key, model, f"{self.name} {name} {report.signature}")
+            if key:
+                self.backend.cache_store(key, model, f"{self.name} {name} {report.signature}")
         try:
-            compiled, part.compile_seconds = self._compile(model)
+            compiled = self._compile(model, part)
         except RuntimeError as err:
             part.in_openvino = False
             report.warnings.append(f"{name}: compile failed: {err}")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import re
+from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import openvino as ov
 import torch
+import torch._dynamo.convert_frame
 from openvino.frontend import FrontEndManager, OpConversionFailure
 from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -27,6 +29,16 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from ov_backend.ops import OpenVINOSupport, node_op_name
 
 logger = logging.getLogger(__name__)
+
+def _tracing_lock() -> AbstractContextManager[Any]:
+    """Dynamo's compile lock, held while tracing.
+
+    FX tracing patches ``torch.nn.Module.__call__`` process-wide for its duration; holding the
+    lock dynamo compiles under keeps another thread's dynamo compile from seeing the patch.
+    """
+    lock = getattr(torch._dynamo.convert_frame, "compile_lock", None)
+    return lock if lock is not None else nullcontext()
+
 
 _UNCONVERTED = re.compile(r"No conversion rule found for operations:\s*(.+)")
 
@@ -49,7 +61,7 @@ def trace_static(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
 
     Tensors ``fn`` reaches through its closure (the weights) become constants of the graph.
     """
-    with torch.no_grad():
+    with _tracing_lock(), torch.no_grad():
         return make_fx(fn, decomposition_table=decompositions, tracing_mode="real")(*inputs)
 
 
@@ -147,7 +159,7 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
 
     shapes = tuple({d: Dim.AUTO for d in dims} or None for dims in dynamic_dims)
     try:
-        with torch.no_grad():
+        with _tracing_lock(), torch.no_grad():
             program = export(_Wrapper(), tuple(inputs), dynamic_shapes=(shapes,), strict=False)
     except Exception as err:  # torch.export raises many kinds; all mean "cannot export"
         raise ConversionError(f"torch.export could not capture the graph: {type(err).__name__}: {err}") \

@@ -18,6 +18,8 @@ class PartitionReport:
         compile_seconds: time OpenVINO took to compile it for the device.
         in_openvino: False when its conversion or compile failed and it runs in PyTorch.
         reused: the model converted for an earlier shape was reshaped (no conversion).
+        execution_devices: the devices OpenVINO actually runs it on (what "AUTO" chose).
+        precision: the inference precision the plugin uses ("f32", "bf16", ...).
     """
 
     name: str
@@ -27,6 +29,8 @@ class PartitionReport:
     compile_seconds: float = 0.0
     in_openvino: bool = True
     reused: bool = False
+    execution_devices: tuple[str, ...] = ()
+    precision: str = ""
 
 
 @dataclass
@@ -71,11 +75,24 @@ class CompileReport:
     def fully_in_openvino(self) -> bool:
         return self.route != "eager" and not self.fallback_ops and all(p.in_openvino for p in self.partitions)
 
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The inference precisions of the OpenVINO partitions."""
+        return tuple(sorted({p.precision for p in self.partitions if p.in_openvino and p.precision}))
+
+    @property
+    def execution_devices(self) -> tuple[str, ...]:
+        """Every device the OpenVINO partitions run on."""
+        return tuple(sorted({d for p in self.partitions if p.in_openvino for d in p.execution_devices}))
+
     def summary(self) -> str:
         """One line for logs and status panels."""
         in_ov = sum(1 for p in self.partitions if p.in_openvino)
         parts = [
-            f"{self.graph} {self.signature}: {self.route} on {self.device}",
+            f"{self.graph} {self.signature}: {self.route} on {self.device}"
+            + (f" (ran on {', '.join(self.execution_devices)}"
+               + (f", {'/'.join(self.precisions)}" if self.precisions else "") + ")"
+               if self.execution_devices else ""),
             f"{in_ov} OpenVINO partition(s)",
             f"trace {self.trace_seconds:.2f}s, convert {self.convert_seconds:.2f}s, "
             f"compile {self.compile_seconds:.2f}s",

@@ -113,3 +113,29 @@ def test_tiny_clip_text_model(backend):
     with torch.no_grad():
         _close(compiled(ids).last_hidden_state, clip(ids).last_hidden_state)
     assert backend.reports[-1].fully_in_openvino
+
+
+def test_config_reaches_the_plugin():
+    model = small_cnn()
+    x = torch.randn(1, 3, 12, 12)
+    f32 = OVBackend({"config": {"INFERENCE_PRECISION_HINT": "f32"}})
+    with torch.no_grad():
+        torch.compile(model, backend=f32)(x)
+    assert f32.reports[0].precisions == ("f32",)
+    assert f32.reports[0].execution_devices == ("CPU",)
+    assert "ran on CPU, f32" in f32.reports[0].summary()
+
+
+def test_extra_decomposition_changes_what_reaches_openvino():
+    """silu disabled: it stays in PyTorch; decomposed first: its parts all run in OpenVINO."""
+    model = small_cnn()
+    x = torch.randn(1, 3, 12, 12)
+    disabled = OVBackend({"disabled_ops": ["aten.silu.default"]})
+    with torch.no_grad():
+        torch.compile(model, backend=disabled)(x)
+    assert "aten.silu.default" in disabled.reports[0].fallback_ops
+    torch._dynamo.reset()
+    decomposed = OVBackend({"disabled_ops": ["aten.silu.default"], "decompositions": ["aten.silu.default"]})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=decomposed)(x), model(x), atol=1e-2, rtol=1e-2)
+    assert decomposed.reports[0].fallback_ops == {}
