@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import re
-from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import openvino as ov
