@@ -139,3 +139,17 @@ def test_extra_decomposition_changes_what_reaches_openvino():
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend=decomposed)(x), model(x), atol=1e-2, rtol=1e-2)
     assert decomposed.reports[0].fallback_ops == {}
+
+
+def test_name_works_without_import_through_the_entry_point():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "m = torch.nn.Linear(4, 2).eval()\n"
+            "out = torch.compile(m, backend='ov_backend')(torch.ones(1, 4))\n"
+            "assert 'ov_backend' in sys.modules, 'the entry point was not used'\n"
+            "print(float((out - m(torch.ones(1, 4))).abs().max()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-2
