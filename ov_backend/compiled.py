@@ -51,12 +51,14 @@ class InputKind:
         base: for "derived": the index of the input it is a size of.
         dim: for "derived": which dimension.
         prop: for "derived": "size", "stride" or "storage_offset".
+        name: where dynamo found it, e.g. "L['self']._modules['conv']._parameters['weight']".
     """
 
     kind: str
     base: int = -1
     dim: int = 0
     prop: str = "size"
+    name: str = ""
 
 
 def classify_inputs(gm: torch.fx.GraphModule) -> list[InputKind]:
@@ -68,7 +70,7 @@ def classify_inputs(gm: torch.fx.GraphModule) -> list[InputKind]:
     for source in sources:
         name = source.name if source is not None else ""
         if name and weights.is_weight_source(name):
-            kinds.append(InputKind("weight"))
+            kinds.append(InputKind("weight", name=name))
             continue
         prop = getattr(source, "prop", None)
         base = getattr(source, "base", None)
@@ -205,6 +207,7 @@ class CompiledGraph:
         with self._lock:
             if self._watch is not None and not self._watch.changed(weight_values) and self._fingerprint:
                 return self._by_weights[self._fingerprint]
+            self._check_loaded(weight_values)
             start = time.perf_counter()
             fp = weights.fingerprint(weight_values)
             if self._watch is not None:
@@ -219,6 +222,14 @@ class CompiledGraph:
             self._fingerprint = fp
             self._watch = weights.WeightWatch(weight_values)
             return self._by_weights[fp]
+
+    def _check_loaded(self, weight_values: Sequence[torch.Tensor]) -> None:
+        for index, tensor in zip(self.weight_index, weight_values):
+            if tensor.is_meta:
+                raise ValueError(
+                    f"{self.kinds[index].name or 'a weight'} is on the meta device (it holds no data); load "
+                    f"real weights into the module (e.g. load_state_dict(..., assign=True) or .to_empty() and "
+                    f"a state dict) before running it compiled")
 
     # -- building -------------------------------------------------------------------------------
     def _fail(self, message: str, err: BaseException | None = None) -> None:

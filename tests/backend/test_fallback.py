@@ -51,3 +51,18 @@ def test_strict_raises(monkeypatch):
     compiled = torch.compile(small_cnn(), backend=backend)
     with pytest.raises(OpenVINOFallbackError, match="forced failure for the test"), torch.no_grad():
         compiled(torch.randn(1, 3, 16, 16))
+
+
+def test_weights_left_on_the_meta_device_are_named():
+    class WithMetaBuffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.register_buffer("position_ids", torch.arange(5, device="meta"))
+
+        def forward(self, x):
+            return self.emb(self.position_ids) + x
+
+    compiled = torch.compile(WithMetaBuffer().eval(), backend=OVBackend())
+    with pytest.raises(ValueError, match=r"position_ids.*meta device"), torch.no_grad():
+        compiled(torch.ones(5, 4))
