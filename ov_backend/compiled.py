@@ -13,6 +13,7 @@ Whatever OpenVINO cannot take runs in PyTorch with a WARNING, or raises when ``s
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -347,6 +348,12 @@ class CompiledGraph:
         settings = self.backend.settings
         scalars = {pos: v for pos, v in enumerate(user_values) if not isinstance(v, torch.Tensor)}
         tensors = [v for v in user_values if isinstance(v, torch.Tensor)]
+        whole_key = None
+        if settings.model_caching and self._outputs_are_tensors():
+            whole_key = self._key("whole", sig, {"graph": self._graph_code})
+            cached = self._from_whole_graph_entry(whole_key, report)
+            if cached is not None:
+                return cached
         start = time.perf_counter()
         try:
             traced = convert.trace_static(self._closure(weight_values, scalars), tensors, self._decomp)
@@ -364,8 +371,11 @@ class CompiledGraph:
             report.fallback_ops = dict(support.rejected)
             report.partitions = []
             retry = False
+            # a graph that is one partition is cached under the graph's own key: the next process
+            # finds it without tracing
+            covers = bool(whole_key) and not support.rejected and _covers_whole_graph(graph, names)
             for name in names:
-                outcome = self._convert_and_compile(graph, name, report)
+                outcome = self._convert_and_compile(graph, name, report, whole_key if covers else None)
                 if isinstance(outcome, convert.ConversionError) and outcome.unconverted:
                     new = {n for n in outcome.unconverted} - unconvertible
                     if new:
@@ -398,13 +408,34 @@ class CompiledGraph:
                 return node_op_name(node)
         return reported
 
-    def _convert_and_compile(self, graph: torch.fx.GraphModule, name: str,
-                             report: CompileReport) -> convert.ConversionError | None:
+    def _outputs_are_tensors(self) -> bool:
+        return all(isinstance(o, torch.fx.Node) and isinstance(o.meta.get("example_value"), torch.Tensor)
+                   for o in self._outputs())
+
+    def _from_whole_graph_entry(self, key: str, report: CompileReport) -> _Variant | None:
+        """A variant from a cached model of the whole graph, with no tracing at all; None if absent."""
+        model = self.backend.cache_load(key)
+        if model is None:
+            return None
+        part = PartitionReport("graph", ops=sum(1 for n in self.gm.graph.nodes if n.op == "call_function"),
+                               cache_hit=True)
+        try:
+            compiled = self._compile(model, part)
+        except RuntimeError as err:
+            logger.warning("%s: the cached model could not be compiled (%s); converting again", self.name, err)
+            return None
+        report.partitions.append(part)
+        runner = OVRunner(compiled, [self._output_dtype(o) for o in self._outputs()])
+        logger.info("OpenVINO compiled %s", report.summary())
+        return _Variant(lambda user: tuple(runner([v for v in user if isinstance(v, torch.Tensor)])),
+                        in_openvino=True)
+
+    def _convert_and_compile(self, graph: torch.fx.GraphModule, name: str, report: CompileReport,
+                             key: str | None = None) -> convert.ConversionError | None:
         sub = graph.get_submodule(name)
         part = PartitionReport(name, ops=sum(1 for n in sub.graph.nodes if n.op == "call_function"))
         report.partitions.append(part)
-        key = None
-        if self.backend.settings.model_caching:  # hashing the constants costs time: only for the disk cache
+        if key is None and self.backend.settings.model_caching:  # hashing the constants costs time: only for the disk cache
             key = self._key("partition", name, {
                 "code": sub.code, "constants": weights.fingerprint(list(sub.buffers())),
                 "inputs": [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"]})
@@ -439,3 +470,26 @@ class CompiledGraph:
         setattr(graph, name, OVModule(OVRunner(compiled, dtypes), single))
         graph.recompile()
         return None
+
+
+def _covers_whole_graph(graph: torch.fx.GraphModule, names: Sequence[str]) -> bool:
+    """True when one partition takes every graph input in order and gives every output in order."""
+    if len(names) != 1:
+        return False
+    nodes = list(graph.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    calls = [n for n in nodes if n.op == "call_module"]
+    if len(calls) != 1 or list(calls[0].args) != placeholders or calls[0].kwargs:
+        return False
+    call = calls[0]
+    outputs = next(n for n in nodes if n.op == "output").args[0]
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for position, out in enumerate(outputs):
+        if out is call and len(outputs) == 1:
+            continue
+        if not (isinstance(out, torch.fx.Node) and out.op == "call_function" and out.target is operator.getitem
+                and out.args[0] is call and out.args[1] == position):
+            return False
+    extra = [n for n in nodes
+             if n.op == "call_function" and not (n.target is operator.getitem and n.args[0] is call)]
+    return not extra

@@ -29,7 +29,7 @@ with torch.no_grad():
     out = torch.compile(model, backend=backend)(x)
     ref = model(x)
 r = backend.reports[0]
-print(json.dumps({"hit": r.cache_hit, "convert": r.convert_seconds, "diff": (out - ref).abs().max().item()}))
+print(json.dumps({"hit": r.cache_hit, "convert": r.convert_seconds, "trace": r.trace_seconds, "diff": (out - ref).abs().max().item()}))
 """
 
 
@@ -44,6 +44,7 @@ def test_second_process_loads_from_cache(tmp_path):
     second = _child(tmp_path, seed=0)
     assert first["hit"] is False and first["convert"] > 0
     assert second["hit"] is True and second["convert"] == 0
+    assert second["trace"] == 0  # a graph that is one partition is found without tracing it
     assert second["diff"] < F32_ATOL
     entries = ModelCache(tmp_path).entries()
     assert any(not e.key.startswith("blobs/") for e in entries)
