@@ -435,7 +435,8 @@ class CompiledGraph:
         sub = graph.get_submodule(name)
         part = PartitionReport(name, ops=sum(1 for n in sub.graph.nodes if n.op == "call_function"))
         report.partitions.append(part)
-        if key is None and self.backend.settings.model_caching:  # hashing the constants costs time: only for the disk cache
+        # hashing the constants costs time: only for the disk cache
+        if key is None and self.backend.settings.model_caching:
             key = self._key("partition", name, {
                 "code": sub.code, "constants": weights.fingerprint(list(sub.buffers())),
                 "inputs": [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"]})

@@ -29,7 +29,8 @@ with torch.no_grad():
     out = torch.compile(model, backend=backend)(x)
     ref = model(x)
 r = backend.reports[0]
-print(json.dumps({"hit": r.cache_hit, "convert": r.convert_seconds, "trace": r.trace_seconds, "diff": (out - ref).abs().max().item()}))
+print(json.dumps({"hit": r.cache_hit, "convert": r.convert_seconds, "trace": r.trace_seconds,
+                  "diff": (out - ref).abs().max().item()}))
 """
 
 
