@@ -127,7 +127,9 @@ class OVBackend:
             return list(self._reports)
 
     def stats(self) -> dict[str, float]:
-        """Counters: compile_seconds, run_seconds, ov_calls, eager_calls, cache_hits, cache_misses, compiles."""
+        """Counters (see :class:`ov_backend.report.Stats`): compile_seconds (with trace_seconds,
+        convert_seconds, ov_compile_seconds), run_seconds, ov_calls, eager_calls, cache_hits, cache_misses,
+        compiles."""
         return self.stats_counter.snapshot()
 
     def reset(self) -> None:

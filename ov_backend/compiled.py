@@ -266,6 +266,7 @@ class CompiledGraph:
                variants: dict[Any, Any]) -> _Variant:
         settings = self.backend.settings
         report = CompileReport(self.name, _signature_text(sig), "static", settings.device)
+        start = time.perf_counter()
         try:
             if self._dynamic_dims is not None and not settings.disabled_ops:
                 variant = self._build_dynamic(sig, user_values, weight_values, variants, report)
@@ -273,13 +274,16 @@ class CompiledGraph:
                     return variant
             return self._build_static(sig, user_values, weight_values, report)
         finally:
+            self.backend.stats_counter.add(compile_seconds=time.perf_counter() - start,
+                                           trace_seconds=report.trace_seconds,
+                                           convert_seconds=report.convert_seconds)
             self.backend.add_report(report)
 
     def _compile(self, model: ov.Model, part: PartitionReport) -> ov.CompiledModel:
         start = time.perf_counter()
         compiled = self.backend.compile_model(model)
         part.compile_seconds = time.perf_counter() - start
-        self.backend.stats_counter.add(compile_seconds=part.compile_seconds, compiles=1)
+        self.backend.stats_counter.add(ov_compile_seconds=part.compile_seconds, compiles=1)
         for prop, attr in (("EXECUTION_DEVICES", "execution_devices"), ("INFERENCE_PRECISION_HINT", "precision")):
             try:
                 value = compiled.get_property(prop)

@@ -107,11 +107,17 @@ class CompileReport:
 
 
 class Stats:
-    """Counters a backend keeps across calls (thread-safe)."""
+    """Counters a backend keeps across calls (thread-safe).
+
+    ``compile_seconds`` is all the time spent getting graphs ready (tracing, conversion or cache
+    load, OpenVINO compile); ``trace_seconds``, ``convert_seconds`` and ``ov_compile_seconds`` split
+    it. ``run_seconds`` is time spent in calls of ready graphs. Dynamo's own capture is in neither.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values = {"compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
+        self._values = {"compile_seconds": 0.0, "trace_seconds": 0.0, "convert_seconds": 0.0,
+                        "ov_compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
                         "cache_hits": 0, "cache_misses": 0, "compiles": 0}
 
     def add(self, **amounts: float) -> None:
