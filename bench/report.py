@@ -1,0 +1,196 @@
+"""Summaries of raw results, and the JSON and markdown files.
+
+Ratios are speed ratios (higher is faster): "vs eager" is the eager median of the same
+group's rounds divided by the variant's median; "vs static" is the static model's median
+at the same precision divided by the variant's median (the goal for ov_backend is >= 0.97).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from bench import variants
+
+logger = logging.getLogger(__name__)
+
+GIB = float(1 << 30)
+
+
+def machine() -> dict[str, Any]:
+    """CPU model and core counts, memory, OS, and the library versions."""
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpus": os.cpu_count()}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+        for line in lscpu.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("Model name", "Core(s) per socket", "Socket(s)", "Thread(s) per core", "Flags"):
+                value = value.strip()
+                if key.strip() == "Flags":
+                    value = " ".join(f for f in value.split() if f.startswith(("avx512_bf16", "amx", "avx512f")))
+                info[key.strip()] = value
+    except (OSError, subprocess.SubprocessError) as err:
+        logger.info("lscpu unavailable: %s", err)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            info["memory_gib"] = round(int(fh.readline().split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    import diffusers
+    import openvino
+    import torch
+    import transformers
+
+    info["versions"] = {"torch": torch.__version__, "openvino": openvino.get_version(),
+                        "diffusers": diffusers.__version__, "transformers": transformers.__version__}
+    return info
+
+
+def _stats(times: list[float]) -> dict[str, float] | None:
+    if not times:
+        return None
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
+
+
+def summarize(component: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per variant with medians, ratios, first calls, RSS and L2 difference."""
+    records = component["variants"]
+    eager_by_group = {g: statistics.median(t) for g, t in records.get("eager", {}).get("times_by_group", {}).items()
+                      if t}
+    static = {variants.parse_variant(v).precision: _stats(r["times"]) for v, r in records.items()
+              if variants.parse_variant(v).kind == "static"}
+    rows = []
+    for name, record in records.items():
+        spec = variants.parse_variant(name)
+        stats = _stats(record["times"])
+        row: dict[str, Any] = {"variant": name, "stats": stats, "errors": record.get("errors", [])}
+        if stats is not None:
+            groups = record.get("times_by_group", {})
+            group = next(iter(groups), None) if spec.kind != "eager" else None
+            eager = eager_by_group.get(group) if group else None
+            if spec.kind == "eager":
+                row["vs_eager"] = 1.0
+            elif eager:
+                row["vs_eager"] = eager / stats["median"]
+            ceiling = static.get(spec.precision) if spec.kind != "eager" else None
+            if ceiling:
+                row["vs_static"] = ceiling["median"] / stats["median"]
+        for key in ("cold_first_call_seconds", "warm_first_call_seconds", "peak_rss_bytes", "rel_l2_vs_eager",
+                    "finite"):
+            row[key] = record.get(key)
+        rows.append(row)
+    return rows
+
+
+def _num(value: float | None, fmt: str = "{:.2f}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def component_table(name: str, component: dict[str, Any]) -> str:
+    """The markdown table of one component."""
+    lines = [f"### {name}: {component['description']}", "",
+             f"Inputs: {', '.join('x'.join(map(str, s)) or 'scalar' for s in component['input_shapes'])}", "",
+             "| variant | median s/call | min | max | vs eager | vs static | cold first call s "
+             "| warm-cache first call s | peak RSS GiB | rel. L2 vs eager |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in summarize(component):
+        stats = row["stats"] or {}
+        rss = row["peak_rss_bytes"] / GIB if row["peak_rss_bytes"] else None
+        l2 = row["rel_l2_vs_eager"]
+        failed = " (failed: see JSON)" if row["errors"] and not stats else ""
+        lines.append(
+            f"| {row['variant']}{failed} | {_num(stats.get('median'), '{:.3f}')} | {_num(stats.get('min'), '{:.3f}')} "
+            f"| {_num(stats.get('max'), '{:.3f}')} | {_ratio(row.get('vs_eager'))} | {_ratio(row.get('vs_static'))} "
+            f"| {_num(row['cold_first_call_seconds'], '{:.1f}')} | {_num(row['warm_first_call_seconds'], '{:.1f}')} "
+            f"| {_num(rss)} | {_num(l2, '{:.1e}')} |")
+    loads = component.get("load_average_per_round") or []
+    if loads:
+        lines += ["", f"1-minute load average at the start of each round: {', '.join(f'{x:.1f}' for x in loads)}"]
+    return "\n".join(lines)
+
+
+def resolutions_table(result: dict[str, Any]) -> str:
+    """The markdown table of the new-shape measurement."""
+    if "error" in result:
+        return f"### New resolutions\n\nFailed: {result['error'].splitlines()[-1]}"
+    lines = [f"### New resolutions: {result['component']} through ov_backend ({result['precision']}), one process",
+             "", "| call order | latent | image | first call s | second call s |", "|---|---|---|---|---|"]
+    for number, rec in enumerate(result["records"], 1):
+        lines.append(f"| {number} | {rec['latent'][0]}x{rec['latent'][1]} | {rec['image'][0]}x{rec['image'][1]} "
+                     f"| {rec['first_call_seconds']:.1f} | {rec['second_call_seconds']:.2f} |")
+    reports = result.get("info", {}).get("reports", [])
+    if reports:
+        lines += ["", "Backend reports:", ""] + [f"- {r}" for r in reports]
+    return "\n".join(lines)
+
+
+def image_table(result: dict[str, Any], components: dict[str, Any]) -> str:
+    """The markdown table of the whole-image split, against the sum of the static parts."""
+    if "error" in result:
+        return f"### Whole image\n\nFailed: {result['error'].splitlines()[-1]}"
+    precision = result["precision"]
+    static_key = f"static/{precision}"
+    lines = [f"### Whole image: {result['size']}x{result['size']}, {result['steps']} steps ({result['sampler']}), "
+             f"ov_backend {precision}, standalone pipeline", "",
+             "| part | calls | seconds | share of the image | static model, same calls |", "|---|---|---|---|---|"]
+    total, static_sum, complete = result["image_seconds"], 0.0, True
+    for part, rec in result["parts"].items():
+        times = components.get(part, {}).get("variants", {}).get(static_key, {}).get("times")
+        static = rec["calls"] * statistics.median(times) if times else None
+        if static is None:
+            complete = False
+        else:
+            static_sum += static
+        lines.append(f"| {part} | {rec['calls']} | {rec['seconds']:.2f} | {100 * rec['seconds'] / total:.1f} % "
+                     f"| {_num(static)} |")
+    lines.append(f"| everything else | | {result['other_seconds']:.2f} | {100 * result['other_fraction']:.1f} % | |")
+    lines.append(f"| **image** | | **{total:.2f}** | 100 % | {_num(static_sum if complete else None)} |")
+    lines += ["", f"Warm-up image (1 step, compiles every part): {result['warmup_image_seconds']:.1f} s."]
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The whole markdown report."""
+    m = results["machine"]
+    lines = ["# Benchmark results", "",
+             f"Machine: {m.get('Model name', '?')}, {m.get('cpus')} CPUs "
+             f"({m.get('Core(s) per socket', '?')} cores per socket x {m.get('Socket(s)', '?')} socket, "
+             f"{m.get('Thread(s) per core', '?')} thread per core), {m.get('memory_gib', '?')} GiB; "
+             f"{m.get('Flags', '')}; " + ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items()) + ".", "",
+             f"Command: `{results['command']}` ({results['wall_seconds'] / 60:.1f} min).", "",
+             "Per-call times are medians of the interleaved rounds (min and max beside); ratios are speed "
+             "ratios (higher is faster): vs eager against PyTorch eager fp32 in the same rounds, vs static "
+             "against the static OpenVINO model at the same precision. \"auto\" lets the CPU plugin choose "
+             "the inference precision (bf16 on this CPU); peak RSS is each variant's own process, its "
+             "PyTorch weights included (mapped from one file shared by all processes).", ""]
+    if results.get("note"):
+        lines += [results["note"], ""]
+    for name, component in results["components"].items():
+        lines += [component_table(name, component), ""]
+    if "resolutions" in results:
+        lines += [resolutions_table(results["resolutions"]), ""]
+    if "image" in results:
+        lines += [image_table(results["image"], results["components"]), ""]
+    return "\n".join(lines)
+
+
+def write(results: dict[str, Any], out: Path, stem: str) -> tuple[Path, Path]:
+    """Write ``stem.json`` (raw results and summaries) and ``stem.md`` under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for component in results["components"].values():
+        component["summary"] = summarize(component)
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+    md_path.write_text(markdown(results), encoding="utf-8")
+    return json_path, md_path

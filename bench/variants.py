@@ -1,0 +1,185 @@
+"""The compared variants: how each turns a module into a callable, and what it reports.
+
+* ``eager``: PyTorch eager fp32, the reference of every ratio and of the L2 difference;
+* ``stock``: openvino's own ``torch.compile(backend="openvino")``, with ``aot_autograd``
+  (this torch/openvino pair needs it); importing ``openvino.torch`` changes a global dynamo
+  setting (``inline_inbuilt_nn_modules=False``), one more reason every variant has its own
+  process;
+* ``ov_backend``: our backend through ``torch.compile`` (an ``OVBackend`` instance);
+* ``static``: ``openvino.convert_model(module, example_input=...)`` + ``Core.compile_model``,
+  the ceiling: one model for exactly these input shapes, no per-call guard or bookkeeping.
+
+The OpenVINO variants run at a precision: "auto" (no ``INFERENCE_PRECISION_HINT``: the CPU
+plugin picks bf16 on CPUs that have it) or "f32".
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KINDS: tuple[str, ...] = ("eager", "ov_backend", "static", "stock")
+PRECISIONS: tuple[str, ...] = ("auto", "f32")
+#: kinds whose compiled models can come from a disk cache in a later process
+CACHEABLE: frozenset[str] = frozenset({"ov_backend", "stock"})
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One compared variant.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        precision: "auto" or "f32" for OpenVINO kinds; "fp32" for eager.
+    """
+
+    kind: str
+    precision: str = "fp32"
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.kind == "eager" else f"{self.kind}/{self.precision}"
+
+    @property
+    def config(self) -> dict[str, str]:
+        """The OpenVINO compile properties of this precision."""
+        return {"INFERENCE_PRECISION_HINT": "f32"} if self.precision == "f32" else {}
+
+
+def parse_variant(name: str) -> VariantSpec:
+    """``"eager"``, ``"static/auto"``, ``"ov_backend/f32"`` ... -> a spec.
+
+    Raises:
+        ValueError: an unknown kind or precision, naming the valid ones.
+    """
+    kind, _, precision = name.partition("/")
+    if kind not in KINDS:
+        raise ValueError(f"unknown variant kind {kind!r} in {name!r}; known: {', '.join(KINDS)}")
+    if kind == "eager":
+        if precision not in ("", "fp32"):
+            raise ValueError(f"eager runs in fp32 only, got {name!r}")
+        return VariantSpec("eager")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} in {name!r}; use {kind}/auto or {kind}/f32")
+    return VariantSpec(kind, precision)
+
+
+@dataclass
+class Prepared:
+    """A variant ready to call, and what it has to say about itself.
+
+    Attributes:
+        call: ``call(*inputs) -> tensor``.
+        info: facts for the results (partitions, fallbacks, the precision the plugin chose).
+        finish: collects the facts only known after calls (the backend's reports), or None.
+    """
+
+    call: Callable[..., torch.Tensor]
+    info: dict[str, Any] = field(default_factory=dict)
+    finish: Callable[[], dict[str, Any]] | None = None
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out
+
+
+def _eager(module: torch.nn.Module) -> Prepared:
+    return Prepared(lambda *inputs: module(*inputs))
+
+
+class _StockFallbackWatch(logging.Handler):
+    """Catches the stock backend's silent hop to inductor (it logs it at DEBUG only)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Failed in OpenVINO" in record.getMessage():
+            self.messages.append(record.getMessage()[:500])
+
+
+def _stock(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching: bool) -> Prepared:
+    with warnings.catch_warnings():  # its import touches a deprecated dynamo flag and warns about it
+        warnings.simplefilter("ignore", FutureWarning)
+        import openvino.torch  # noqa: F401  (registers backend="openvino")
+
+    stock_logger = logging.getLogger("openvino.frontend.pytorch.torchdynamo.backend")
+    watch = _StockFallbackWatch()
+    stock_logger.addHandler(watch)
+    stock_logger.setLevel(logging.DEBUG)
+    options: dict[str, Any] = {"device": "CPU", "aot_autograd": True, "config": spec.config}
+    if caching:
+        options.update(model_caching=True, cache_dir=str(cache_dir))
+    compiled = torch.compile(module, backend="openvino", options=options)
+
+    def finish() -> dict[str, Any]:
+        return {"fell_back_to_inductor": list(watch.messages)}
+
+    return Prepared(lambda *inputs: _first_tensor(compiled(*inputs)), {"options": options}, finish)
+
+
+def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching: bool) -> Prepared:
+    from ov_backend import OVBackend
+
+    backend = OVBackend({"device": "CPU", "model_caching": caching, "cache_dir": str(cache_dir),
+                         "config": spec.config})
+    compiled = torch.compile(module, backend=backend)
+
+    def finish() -> dict[str, Any]:
+        return {"reports": [r.summary() for r in backend.reports], "stats": backend.stats(),
+                "fully_in_openvino": all(r.fully_in_openvino for r in backend.reports)}
+
+    return Prepared(lambda *inputs: _first_tensor(compiled(*inputs)), {}, finish)
+
+
+def _static(module: torch.nn.Module, spec: VariantSpec, inputs: Sequence[torch.Tensor]) -> Prepared:
+    import openvino as ov
+
+    with torch.no_grad():
+        model = ov.convert_model(module, example_input=tuple(inputs))
+    compiled = ov.Core().compile_model(model, "CPU", spec.config)
+    del model
+    gc.collect()
+    request = compiled.create_infer_request()
+    info = {"inference_precision": str(compiled.get_property("INFERENCE_PRECISION_HINT")),
+            "performance_hint": str(compiled.get_property("PERFORMANCE_HINT")),
+            "num_streams": str(compiled.get_property("NUM_STREAMS")),
+            "inference_threads": str(compiled.get_property("INFERENCE_NUM_THREADS"))}
+
+    def call(*args: torch.Tensor) -> torch.Tensor:
+        request.infer([a.numpy() for a in args], share_inputs=True, share_outputs=True)
+        return torch.from_numpy(request.get_output_tensor(0).data.copy())
+
+    return Prepared(call, info)
+
+
+def prepare(spec: VariantSpec, module: torch.nn.Module, inputs: Sequence[torch.Tensor], cache_dir: Path,
+            caching: bool = True) -> Prepared:
+    """Turn ``module`` into the variant's callable (lazily compiled ones compile on first call).
+
+    Args:
+        spec: the variant.
+        module: the component's call wrapper.
+        inputs: example inputs (the static variant converts for exactly these shapes).
+        cache_dir: disk cache folder of the cacheable kinds.
+        caching: store/reuse converted models in ``cache_dir`` (cacheable kinds only).
+    """
+    if spec.kind == "eager":
+        return _eager(module)
+    if spec.kind == "stock":
+        return _stock(module, spec, cache_dir, caching)
+    if spec.kind == "ov_backend":
+        return _ov_backend(module, spec, cache_dir, caching)
+    return _static(module, spec, inputs)

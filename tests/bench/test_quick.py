@@ -1,0 +1,72 @@
+"""The benchmark harness on small models: every variant runs and gives a finite result, files are written.
+
+These are smoke tests of ``python -m bench --quick``: they assert no time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench import build_settings
+from bench.__main__ import main
+from bench.settings import DEFAULT_VARIANTS
+
+
+def _run(tmp_path, *args: str) -> tuple[dict, str]:
+    out = tmp_path / "results"
+    assert main(["--quick", "--out", str(out), "--name", "smoke", *args]) == 0
+    json_path, md_path = out / "smoke.json", out / "smoke.md"
+    assert json_path.is_file() and md_path.is_file()
+    return json.loads(json_path.read_text(encoding="utf-8")), md_path.read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_quick_run_measures_every_variant(tmp_path):
+    results, table = _run(tmp_path, "--components", "text_encoder", "--only", "components")
+    variants = results["components"]["text_encoder"]["variants"]
+    assert list(variants) == list(DEFAULT_VARIANTS)
+    for name, record in variants.items():
+        assert record["errors"] == [], name
+        assert len(record["times"]) == 2, name
+        assert record["finite"] is True, name
+        assert math.isfinite(record["rel_l2_vs_eager"]), name
+        assert record["cold_first_call_seconds"] > 0, name
+        assert record["peak_rss_bytes"] > 0, name
+        if name.startswith(("stock/", "ov_backend/")):
+            assert record["warm_first_call_seconds"] > 0, name
+        assert f"| {name} |" in table, name
+    # f32 inference on OpenVINO matches eager fp32 closely; bf16 ("auto") only roughly
+    assert variants["ov_backend/f32"]["rel_l2_vs_eager"] < 1e-4
+    assert variants["ov_backend/auto"]["rel_l2_vs_eager"] < 0.1
+
+
+@pytest.mark.slow
+def test_quick_new_resolutions_and_whole_image(tmp_path):
+    results, table = _run(tmp_path, "--only", "resolutions", "image", "--resolutions", "8x8", "12x8",
+                          "--image-steps", "1")
+    records = results["resolutions"]["records"]
+    assert [r["latent"] for r in records] == [[8, 8], [12, 8]]
+    assert all(r["finite"] for r in records)
+    assert "New resolutions" in table
+    image = results["image"]
+    assert "error" not in image, image.get("error")
+    assert {part: rec["calls"] > 0 for part, rec in image["parts"].items()} == {
+        "text_encoder": True, "unet": True, "vae_decoder": True}
+    assert image["image_seconds"] >= sum(rec["seconds"] for rec in image["parts"].values())
+    assert "Whole image" in table
+
+
+def test_settings_reject_bad_values():
+    with pytest.raises(ValueError, match="unknown component"):
+        build_settings({"components": ["unet", "controlnet"]})
+    with pytest.raises(ValueError, match="must include 'eager'"):
+        build_settings({"variants": ["static/auto"]})
+    with pytest.raises(ValueError, match="unknown precision"):
+        build_settings({"variants": ["eager", "static/fp16"]})
+    with pytest.raises(ValueError, match="unknown benchmark setting"):
+        build_settings({"round": 3})
+    assert build_settings({"quick": True}).size == 64
+    assert build_settings({"variants": ["static/f32", "eager"]}).variants == ("eager", "static/f32")
