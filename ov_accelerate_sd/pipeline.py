@@ -29,7 +29,7 @@ from .loader import Components
 from .noise import ImageNoise, image_seeds
 from .pnginfo import format_infotext
 from .prompts import PromptEncoder
-from .samplers import make_scheduler, sampler_spec
+from .samplers import img2img_strength, initial_latents, make_scheduler, sampler_spec
 
 logger = logging.getLogger(__name__)
 
@@ -211,17 +211,20 @@ class Generator:
         if self.components.family == "sdxl":
             kwargs["pooled_prompt_embeds"] = cond.pooled.repeat(batch, 1)
             kwargs["negative_pooled_prompt_embeds"] = uncond.pooled.repeat(batch, 1)
+        scheduler = make_scheduler(job.sampler, self.components.scheduler_config, seeds)
         if job.init_image is None:
             pipe = self.txt2img
-            noise_first = noise.first()
-            kwargs.update(width=job.width, height=job.height, latents=noise_first, generator=noise.generators)
+            latents = initial_latents(job.sampler, noise.first(), job.steps, scheduler)
+            kwargs.update(width=job.width, height=job.height, latents=latents, generator=noise.generators)
         else:
+            # The pipeline draws the first noise of each image's generator (the WebUI's img2img noise)
+            # and adds it at the WebUI's starting sigma.
             pipe = self.img2img
-            kwargs.update(image=self._init_latents(job, batch), strength=job.denoising_strength,
-                          generator=noise.generators)
+            strength = img2img_strength(job.sampler, job.steps, job.denoising_strength)
+            kwargs.update(image=self._init_latents(job, batch), strength=strength, generator=noise.generators)
             if self.components.family == "sdxl":
                 kwargs.update(original_size=(job.height, job.width), target_size=(job.height, job.width))
-        pipe.scheduler = make_scheduler(job.sampler, self.components.scheduler_config, seeds)
+        pipe.scheduler = scheduler
         latents = pipe(**kwargs).images
         if stopped:
             raise Interrupted(f"stopped during batch {batch_index + 1} of {job.batch_count}")

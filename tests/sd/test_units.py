@@ -83,10 +83,26 @@ def test_unknown_sampler_lists_valid_ones() -> None:
     assert sampler_spec("euler A").name == "Euler a"
 
 
-def test_karras_samplers_use_karras_sigmas() -> None:
+def test_sampler_schedules_follow_the_webui_names() -> None:
+    # v1.10: a trailing "Karras" selects Karras; otherwise the sampler's own default.
+    defaults = {"DPM++ 2M": "karras", "DPM++ SDE": "karras", "DPM2": "karras", "DPM2 a": "karras",
+                "DPM++ 2M SDE": "exponential", "Euler": "uniform", "Euler a": "uniform", "Heun": "uniform",
+                "LMS": "uniform"}
+    for spec in SAMPLERS:
+        if spec.name.endswith(" Karras"):
+            assert spec.schedule == "karras" and spec.schedule_type == "Karras", spec.name
+        elif spec.name in defaults:
+            assert spec.schedule == defaults[spec.name], spec.name
+        else:
+            assert spec.schedule == "" and spec.space == "ddpm" or spec.name == "LCM", spec.name
+        assert spec.space in ("ddpm", "k", "vp")
+        assert spec.discard_penultimate == spec.name.startswith("DPM2"), spec.name
     base = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
-    assert make_scheduler("DPM++ 2M Karras", base).config.use_karras_sigmas is True
-    assert make_scheduler("DPM++ 2M", base).config.use_karras_sigmas is False
+    karras = make_scheduler("DPM++ 2M Karras", base)
+    karras.set_timesteps(5)
+    plain = make_scheduler("DPM++ 2M", base)
+    plain.set_timesteps(5)
+    assert torch.equal(karras.sigmas, plain.sigmas)
 
 
 # -- noise ------------------------------------------------------------------------------------
