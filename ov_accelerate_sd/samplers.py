@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from diffusers import LCMScheduler
 
-from .schedules import model_sigmas, webui_alphas_cumprod, webui_sigmas
+from .schedules import ddim_timesteps, model_sigmas, webui_alphas_cumprod, webui_sigmas
 from .webui_schedulers import (
     LMSScheduler,
     WebUIDDIMScheduler,
@@ -181,6 +181,9 @@ def img2img_strength(name: str, steps: int, denoising_strength: float) -> float:
     """
     spec = sampler_spec(name)
     t_enc = int(min(denoising_strength, 0.999) * steps)
-    wanted = t_enc + 1 if spec.space != "ddpm" else t_enc
+    if spec.space == "ddpm":  # evaluations start at grid entry t_enc - 1, counted from the top
+        wanted = steps - len(ddim_timesteps(steps)) + t_enc
+    else:
+        wanted = t_enc + 1
     wanted = max(1, min(wanted, steps))
     return min((wanted + 0.5) / steps, 1.0)

@@ -222,9 +222,16 @@ class WebUIPLMSScheduler(PNDMScheduler):
         super().set_timesteps(num_inference_steps, device)
         grid = ddim_timesteps(num_inference_steps, self.config.num_train_timesteps)
         plms = grid[:2] + grid[1:-1] if len(grid) >= 2 else []
+        self._below = dict(zip(grid[:-1], grid[1:]))
         self.prk_timesteps = np.array([], dtype=np.int64)
         self.plms_timesteps = np.array(plms, dtype=np.int64)
         self.timesteps = torch.tensor(plms, dtype=torch.int64, device=device)
+
+    def _get_prev_sample(self, sample: torch.Tensor, timestep: int, prev_timestep: int, model_output: torch.Tensor
+                         ) -> torch.Tensor:
+        # diffusers steps by 1000 // steps; the WebUI by its (clipped) grid.
+        t = min(int(timestep), self.config.num_train_timesteps - 1)
+        return super()._get_prev_sample(sample, t, self._below.get(t, prev_timestep), model_output)
 
 
 class WebUIUniPCScheduler(UniPCMultistepScheduler):

@@ -20,7 +20,7 @@ from ov_accelerate_sd.noise import initial_noise
 from ov_accelerate_sd.pipeline import GenerationJob, Generator
 from ov_accelerate_sd.samplers import SAMPLER_NAMES
 
-STEPS = 5
+STEPS = 3
 T_TOLERANCE = 2e-3  # float32 (WebUI, us) vs float64 (here) interpolation of the timestep
 
 _BETAS = np.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=np.float64) ** 2
@@ -97,8 +97,11 @@ def sd1(tiny_checkpoints: dict) -> Generator:
     return Generator(load_components(tiny_checkpoints["sd1"][0]))
 
 
-def _unet_calls(generator: Generator, job: GenerationJob) -> list[tuple[torch.Tensor, float]]:
-    seen: list[tuple[torch.Tensor, float]] = []
+Calls = list[tuple[torch.Tensor, float]]
+
+
+def _unet_calls(generator: Generator, job: GenerationJob, images: list | None = None) -> Calls:
+    seen: Calls = []
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         t = args[1] if len(args) > 1 else kwargs["timestep"]
@@ -106,9 +109,11 @@ def _unet_calls(generator: Generator, job: GenerationJob) -> list[tuple[torch.Te
 
     handle = generator.components.unet.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        generator.run_batch(job, 0)
+        out = generator.run_batch(job, 0)
     finally:
         handle.remove()
+    if images is not None:
+        images.extend(out)
     return seen
 
 
@@ -118,8 +123,12 @@ EXACT = [n for n in SAMPLER_NAMES if n != "LCM"]
 
 @pytest.mark.parametrize("name", EXACT)
 def test_unet_sees_the_webui_timesteps_and_first_latent(sd1: Generator, name: str) -> None:
+    """Also: every sampler name runs to an image whose infotext names it."""
     job = GenerationJob("a cat", steps=STEPS, sampler=name, width=64, height=64, seed=21, cfg_scale=1.0).validated()
-    calls = _unet_calls(sd1, job)
+    images: list = []
+    calls = _unet_calls(sd1, job, images)
+    assert len(images) == 1 and images[0].image.size == (64, 64)
+    assert f"Sampler: {name.replace(' Karras', '')}," in images[0].infotext
     got = [t for _, t in calls]
     want = expected_timesteps(name, STEPS)
     assert len(got) == len(want), (got, want)
@@ -135,9 +144,10 @@ def test_unet_sees_the_webui_timesteps_and_first_latent(sd1: Generator, name: st
 
 def test_lcm_starts_where_the_webui_starts(sd1: Generator) -> None:
     job = GenerationJob("a cat", steps=4, sampler="LCM", width=64, height=64, seed=5, cfg_scale=1.0).validated()
-    calls = _unet_calls(sd1, job)
+    images: list = []
+    calls = _unet_calls(sd1, job, images)
     s0 = SIGMAS[-1]
-    assert calls[0][1] == 999.0 and len(calls) == 4
+    assert calls[0][1] == 999.0 and len(calls) == 4 and "Sampler: LCM," in images[0].infotext
     assert torch.allclose(calls[0][0], initial_noise(5, 64, 64) * s0 / math.sqrt(s0**2 + 1), atol=1e-5)
 
 
@@ -149,7 +159,7 @@ def _init_latent(sd1: Generator, job: GenerationJob) -> torch.Tensor:
 def test_img2img_starts_at_the_webui_sigma_with_the_webui_noise(sd1: Generator, name: str, strength: float) -> None:
     from PIL import Image
 
-    steps = 10
+    steps = 6
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
     job = GenerationJob("a cat", steps=steps, sampler=name, width=64, height=64, seed=8, cfg_scale=1.0,
                         init_image=image, denoising_strength=strength).validated()
