@@ -268,11 +268,12 @@ class CompiledGraph:
         report = CompileReport(self.name, _signature_text(sig), "static", settings.device)
         start = time.perf_counter()
         try:
-            if self._dynamic_dims is not None and not settings.disabled_ops:
-                variant = self._build_dynamic(sig, user_values, weight_values, variants, report)
-                if variant is not None:
-                    return variant
-            return self._build_static(sig, user_values, weight_values, report)
+            with convert.build_lock():
+                if self._dynamic_dims is not None and not settings.disabled_ops:
+                    variant = self._build_dynamic(sig, user_values, weight_values, variants, report)
+                    if variant is not None:
+                        return variant
+                return self._build_static(sig, user_values, weight_values, report)
         finally:
             self.backend.stats_counter.add(compile_seconds=time.perf_counter() - start,
                                            trace_seconds=report.trace_seconds,

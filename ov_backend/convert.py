@@ -30,11 +30,12 @@ from ov_backend.ops import OpenVINOSupport, node_op_name
 
 logger = logging.getLogger(__name__)
 
-def _tracing_lock() -> AbstractContextManager[Any]:
-    """Dynamo's compile lock, held while tracing.
+def build_lock() -> AbstractContextManager[Any]:
+    """Dynamo's compile lock (re-entrant), held while a graph is traced, partitioned and converted.
 
-    FX tracing patches ``torch.nn.Module.__call__`` process-wide for its duration; holding the
-    lock dynamo compiles under keeps another thread's dynamo compile from seeing the patch.
+    FX tracing patches ``torch.nn.Module.__call__`` process-wide, and FX graph surgery uses
+    torch.fx's process-wide node-metadata state; holding the lock dynamo compiles under keeps
+    another thread's dynamo compile from seeing either.
     """
     lock = getattr(torch._dynamo.convert_frame, "compile_lock", None)
     return lock if lock is not None else nullcontext()
@@ -61,7 +62,7 @@ def trace_static(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
 
     Tensors ``fn`` reaches through its closure (the weights) become constants of the graph.
     """
-    with _tracing_lock(), torch.no_grad():
+    with build_lock(), torch.no_grad():
         return make_fx(fn, decomposition_table=decompositions, tracing_mode="real")(*inputs)
 
 
@@ -159,7 +160,7 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
 
     shapes = tuple({d: Dim.AUTO for d in dims} or None for dims in dynamic_dims)
     try:
-        with _tracing_lock(), torch.no_grad():
+        with build_lock(), torch.no_grad():
             program = export(_Wrapper(), tuple(inputs), dynamic_shapes=(shapes,), strict=False)
     except Exception as err:  # torch.export raises many kinds; all mean "cannot export"
         raise ConversionError(f"torch.export could not capture the graph: {type(err).__name__}: {err}") \
