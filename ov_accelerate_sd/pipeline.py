@@ -159,6 +159,12 @@ class Generator:
         return format_infotext(job.prompt, job.negative_prompt, params)
 
     def _init_latents(self, job: GenerationJob, batch: int) -> torch.Tensor:
+        """The init image's latent: resized with Lanczos ("Just resize"), scaled to [-1, 1], encoded.
+
+        The WebUI takes ``posterior.sample()``, whose noise comes from torch's global random
+        state, which no seed controls; the mean (``mode()``) is the reproducible value it scatters
+        around (the VAE's posterior deviation is tiny).
+        """
         vae = self.components.vae
         image = job.init_image.convert("RGB").resize((job.width, job.height), Image.LANCZOS)
         pixels = self.txt2img.image_processor.preprocess(image, height=job.height, width=job.width)

@@ -15,6 +15,8 @@ Where diffusers cannot follow the WebUI (stated in the report and the README):
   LCM denoiser (same first timestep and starting latent; later ones differ).
 - DPM++ 2M SDE: the WebUI draws its noise from a Brownian tree seeded per image; diffusers'
   multistep solver draws Gaussian noise from the per-image generators (same schedule).
+- img2img with PLMS or UniPC: the WebUI's timestep samplers noise the init latent one grid entry
+  above the first evaluation and UniPC restarts its own time grid; only DDIM reproduces that.
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ def img2img_strength(name: str, steps: int, denoising_strength: float) -> float:
     The WebUI (``setup_img2img_steps``, without "img2img_fix_steps") runs
     ``t_enc + 1`` of the ``steps`` k-diffusion steps, ``t_enc = int(min(strength, 0.999) * steps)``,
     starting from the init latent plus the noise times ``sigmas[steps - t_enc - 1]``; diffusers
-    runs ``int(steps * strength)`` of them. DDIM and PLMS start ``t_enc`` grid entries up.
+    runs ``int(steps * strength)`` of them. DDIM evaluates grid entries ``t_enc - 1`` down to 1
+    after noising to entry ``t_enc`` (``WebUIDDIMScheduler.add_noise``).
     """
     spec = sampler_spec(name)
     t_enc = int(min(denoising_strength, 0.999) * steps)
