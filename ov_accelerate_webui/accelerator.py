@@ -5,6 +5,12 @@ on script unload). It keeps, for the current checkpoint, one ov_backend instance
 and one compiled forward per routed module, so the next generation starts at full speed. The backend
 itself notices weight changes (LoRA, a new VAE) and shapes; this object notices a new checkpoint or a
 new model object and drops what belonged to the old one. All methods are thread-safe.
+
+Sizes: the dimensions that change between generations (:data:`VARYING_DIMS`: batch, latent height and
+width, prompt length) are marked dynamic on the first call, so dynamo hands the backend one graph with
+symbolic sizes from the start. Each new size is then compiled once, and a size seen before is found
+again without a compile. (Left to dynamo's automatic dynamic shapes, the first size would be compiled
+twice: once static, and once more in the symbolic graph that later shadows it.)
 """
 
 from __future__ import annotations
@@ -27,6 +33,20 @@ logger = logging.getLogger(__name__)
 
 BackendKey = tuple[str, bool, str, tuple[tuple[str, str], ...]]
 
+#: Tensor rank -> dimensions that vary between generations: 1-D timesteps and 2-D token ids or
+#: SDXL's ``y`` (batch); 3-D UNet context (batch, prompt length in 77-token chunks); 4-D latents and
+#: images (batch, height, width). Channels and the 77 tokens of a chunk never change.
+VARYING_DIMS: dict[int, tuple[int, ...]] = {1: (0,), 2: (0,), 3: (0, 1), 4: (0, 2, 3)}
+
+
+def mark_varying_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Mark the dimensions of :data:`VARYING_DIMS` as dynamic for dynamo (sizes of 1 stay static)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            for dim in VARYING_DIMS.get(value.dim(), ()):
+                if value.shape[dim] > 1:
+                    torch._dynamo.maybe_mark_dynamic(value, dim)
+
 
 def backend_key(options: dict[str, Any]) -> BackendKey:
     """A hashable key of the backend options that change a compiled model."""
@@ -47,10 +67,11 @@ def input_signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
 @dataclass
 class _Compiled:
     part: str
-    path: str
+    label: str
     module_ref: weakref.ReferenceType
     compiled: Callable[..., Any]
     seen: set[tuple] = field(default_factory=set)
+    calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,10 @@ class PreparedRun:
     settings: AccelerateSettings
     checkpoint: str
     stats_before: dict[str, float]
+    entries: tuple[_Compiled, ...] = ()
+    """The compiled forward behind each route (their call counters tell which routes ran)."""
+    calls_before: tuple[int, ...] = ()
+    """Calls of each entry before the run."""
 
 
 class Accelerator:
@@ -106,9 +131,11 @@ class Accelerator:
             if backend is None:
                 backend = self.api.backend_class(self.api.build_settings(options))
                 self._backends[key] = backend
-            routes = tuple(Route(t.module, self._routed_forward(key, backend, t), t.path) for t in targets)
+            entries = [self._entry(key, backend, t) for t in targets]
+            routes = tuple(Route(t.module, self._make_forward(e), t.label, t.method) for t, e in zip(targets, entries))
             first_report = len(getattr(backend, "reports", ()))
             stats_before = dict(backend.stats())
+            calls_before = tuple(e.calls for e in entries)
         return PreparedRun(
             routes=routes,
             backend=backend,
@@ -116,19 +143,21 @@ class Accelerator:
             settings=settings,
             checkpoint=ckpt,
             stats_before=stats_before,
+            entries=tuple(entries),
+            calls_before=calls_before,
         )
 
-    def _routed_forward(self, key: BackendKey, backend: Any, target: Target) -> Callable[..., Any]:
-        entry = self._compiled.get((key, target.path))
+    def _entry(self, key: BackendKey, backend: Any, target: Target) -> _Compiled:
+        entry = self._compiled.get((key, target.label))
         if entry is None or entry.module_ref() is not target.module:
             if entry is not None:
-                logger.info("%s is a new module object: compiling it anew", target.path)
-            compiled = torch.compile(target.module.forward, backend=backend)
+                logger.info("%s is a new module object: compiling it anew", target.label)
+            compiled = torch.compile(getattr(target.module, target.method), backend=backend)
             entry = _Compiled(
-                part=target.part, path=target.path, module_ref=weakref.ref(target.module), compiled=compiled
+                part=target.part, label=target.label, module_ref=weakref.ref(target.module), compiled=compiled
             )
-            self._compiled[(key, target.path)] = entry
-        return self._make_forward(entry)
+            self._compiled[(key, target.label)] = entry
+        return entry
 
     def _make_forward(self, entry: _Compiled) -> Callable[..., Any]:
         lock, notify = self._lock, self._notify
@@ -138,10 +167,12 @@ class Accelerator:
             signature = input_signature(args, kwargs)
             with lock:
                 new = signature not in entry.seen
+                entry.calls += 1
             if not new:
                 return entry.compiled(*args, **kwargs)
+            mark_varying_dims(args, kwargs)
             shapes = "x".join(str(d) for d in signature[0][0]) if signature else "?"
-            notify(f"OpenVINO: compiling {label} ({entry.path}) for input {shapes} ...")
+            notify(f"OpenVINO: compiling {label} ({entry.label}) for input {shapes} ...")
             try:
                 result = entry.compiled(*args, **kwargs)
             finally:
@@ -182,12 +213,17 @@ class Accelerator:
     def compiled_paths(self) -> list[str]:
         """Paths of modules that have a compiled forward now (for the panel and tests)."""
         with self._lock:
-            return sorted({path for (_key, path) in self._compiled})
+            return sorted({label for (_key, label) in self._compiled})
 
     def reports_since(self, run: PreparedRun) -> list[Any]:
         """The compile reports the backend produced during ``run``."""
         with self._lock:
             return list(getattr(run.backend, "reports", ())[run.first_report :])
+
+    def calls_since(self, run: PreparedRun) -> dict[str, int]:
+        """Route label -> how many times it was called during ``run`` (0: routed but never called)."""
+        with self._lock:
+            return {e.label: e.calls - before for e, before in zip(run.entries, run.calls_before)}
 
     def stats_since(self, run: PreparedRun) -> dict[str, float]:
         """Backend counters (compile/run seconds, calls, cache hits) accumulated during ``run``."""

@@ -75,19 +75,18 @@ class Extension:
         """Run A1111's pipeline on ``p`` with the chosen parts in OpenVINO; returns the ``Processed``."""
         model = getattr(p, "sd_model", None) or host.loaded_model()
         if not settings.parts:
-            self.last_status = "No part selected: the image was made in plain PyTorch."
-            return host.process_images(p)
+            return self._run_plain(p, "No part selected: the image was made in plain PyTorch.", logging.INFO)
         try:
             accelerator = self.accelerator()
             prepared = accelerator.prepare(model, settings, host.default_cache_dir())
         except (BackendUnavailable, UnsupportedModel) as exc:
-            return self._run_plain(p, str(exc))
+            return self._run_plain(p, f"Accelerate with OpenVINO: {exc}", logging.WARNING)
         p.extra_generation_params[INFOTEXT_KEY] = settings.infotext()
         with routed(prepared.routes):
             processed = host.process_images(p)
         status = run_status(
             settings,
-            [route.label for route in prepared.routes],
+            accelerator.calls_since(prepared),
             accelerator.reports_since(prepared),
             accelerator.stats_since(prepared),
         )
@@ -99,9 +98,8 @@ class Extension:
             processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + status).strip()
         return processed
 
-    def _run_plain(self, p: Any, reason: str) -> Any:
-        message = f"Accelerate with OpenVINO: {reason}"
-        logger.warning("%s", message)
+    def _run_plain(self, p: Any, message: str, level: int) -> Any:
+        logger.log(level, "%s", message)
         comment = getattr(p, "comment", None)
         if comment is not None:
             comment(message)

@@ -15,10 +15,12 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-#: (family, part, candidate paths of the module whose ``forward`` is routed), sorted.
-#: For each (family, part) every path that exists is routed: SDXL has two text encoders, the VAE
-#: has an encoder and a decoder. Alternatives for one role are listed in order of preference and
-#: grouped by "|" ("a|b": route a if present, else b).
+#: (family, part, candidate paths of the callable that is routed), sorted.
+#: For each (family, part) every group is routed: SDXL has two text encoders, the VAE has an encoder
+#: and a decoder. Alternatives for one role are listed in order of preference and separated by "|"
+#: ("a|b": route a if present, else b). "path:method" routes that method instead of ``forward``:
+#: A1111 encodes open_clip prompts with ``FrozenOpenCLIPEmbedder*.encode_with_transformer``, which
+#: calls the resblocks one by one and never ``model.transformer.forward`` (ldm/sgm encoders/modules.py).
 TARGET_TABLE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("sd1", "text_encoder", ("cond_stage_model.wrapped.transformer|cond_stage_model.transformer",)),
     ("sd1", "unet", ("model.diffusion_model",)),
@@ -26,10 +28,7 @@ TARGET_TABLE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "sd2",
         "text_encoder",
-        (
-            "cond_stage_model.wrapped.transformer|cond_stage_model.wrapped.model.transformer"
-            "|cond_stage_model.transformer|cond_stage_model.model.transformer",
-        ),
+        ("cond_stage_model.wrapped:encode_with_transformer|cond_stage_model:encode_with_transformer",),
     ),
     ("sd2", "unet", ("model.diffusion_model",)),
     ("sd2", "vae", ("first_stage_model.decoder", "first_stage_model.encoder")),
@@ -38,7 +37,7 @@ TARGET_TABLE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "text_encoder",
         (
             "conditioner.embedders.0.wrapped.transformer|conditioner.embedders.0.transformer",
-            "conditioner.embedders.1.wrapped.model.transformer|conditioner.embedders.1.model.transformer",
+            "conditioner.embedders.1.wrapped:encode_with_transformer|conditioner.embedders.1:encode_with_transformer",
         ),
     ),
     ("sdxl", "unet", ("model.diffusion_model",)),
@@ -62,6 +61,13 @@ class Target:
     """Attribute path from the model object, e.g. "model.diffusion_model"."""
     module: nn.Module
     """The module itself (as loaded now)."""
+    method: str = "forward"
+    """The method of ``module`` that is routed ("forward", or e.g. "encode_with_transformer")."""
+
+    @property
+    def label(self) -> str:
+        """What the status shows: the path, with the method unless it is ``forward``."""
+        return self.path if self.method == "forward" else f"{self.path}.{self.method}"
 
 
 def model_family(model: Any) -> str:
@@ -102,6 +108,16 @@ def _lookup(root: Any, path: str) -> Any:
     return obj
 
 
+def _find_group(model: Any, part: str, group: str) -> Target | None:
+    for candidate in group.split("|"):
+        path, _, method = candidate.partition(":")
+        method = method or "forward"
+        module = _lookup(model, path)
+        if isinstance(module, nn.Module) and callable(getattr(type(module), method, None)):
+            return Target(part=part, path=path, module=module, method=method)
+    return None
+
+
 def find_targets(model: Any, parts: tuple[str, ...]) -> list[Target]:
     """The modules to route for ``parts`` in ``model``, in table order.
 
@@ -113,19 +129,14 @@ def find_targets(model: Any, parts: tuple[str, ...]) -> list[Target]:
     for row_family, part, groups in TARGET_TABLE:
         if row_family != family or part not in parts:
             continue
-        found_any = False
         for group in groups:
-            for path in group.split("|"):
-                module = _lookup(model, path)
-                if isinstance(module, nn.Module):
-                    targets.append(Target(part=part, path=path, module=module))
-                    found_any = True
-                    break
-        if not found_any:
-            raise UnsupportedModel(
-                f"The {part} of this {family} checkpoint was not found where A1111 keeps it "
-                f"({', '.join(groups)}). This image was made in plain PyTorch."
-            )
+            target = _find_group(model, part, group)
+            if target is None:
+                raise UnsupportedModel(
+                    f"The {part} of this {family} checkpoint was not found where A1111 keeps it "
+                    f"({group.replace('|', ' or ')}). This image was made in plain PyTorch."
+                )
+            targets.append(target)
     return targets
 
 

@@ -1,7 +1,9 @@
-"""Routing: swap a module's ``forward`` for an accelerated one, and always put the original back.
+"""Routing: swap a module's ``forward`` (or another method) for an accelerated one, and always put the
+original back.
 
-The swap is an instance attribute, which ``nn.Module.__call__`` finds before the class method;
-restoring deletes it again (or puts back an instance attribute that another extension had set).
+The swap is an instance attribute, which ``nn.Module.__call__`` (and any ``module.method(...)`` call)
+finds before the class method; restoring deletes it again (or puts back an instance attribute that
+another extension had set).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class Route:
-    """One module and the callable that replaces its ``forward`` while routed."""
+    """One module and the callable that replaces one of its methods while routed."""
 
     module: nn.Module
     forward: Callable[..., Any]
     label: str = ""
     """What is routed, for the status, e.g. "model.diffusion_model"."""
+    method: str = "forward"
+    """The method that is replaced ("forward", or e.g. "encode_with_transformer")."""
 
 
 @contextlib.contextmanager
@@ -35,21 +39,21 @@ def routed(routes: Sequence[Route]) -> Iterator[None]:
 
     Restoring happens on normal exit, on an exception and on KeyboardInterrupt alike.
     """
-    saved: list[tuple[nn.Module, Any]] = []
+    saved: list[tuple[nn.Module, str, Any]] = []
     try:
         for route in routes:
-            saved.append((route.module, route.module.__dict__.get("forward", _MISSING)))
-            route.module.forward = route.forward
+            saved.append((route.module, route.method, route.module.__dict__.get(route.method, _MISSING)))
+            setattr(route.module, route.method, route.forward)
         yield
     finally:
-        for module, previous in reversed(saved):
+        for module, method, previous in reversed(saved):
             if previous is _MISSING:
-                module.__dict__.pop("forward", None)
+                module.__dict__.pop(method, None)
             else:
-                module.forward = previous
+                setattr(module, method, previous)
         logger.debug("restored %d module(s)", len(saved))
 
 
-def is_routed(module: nn.Module) -> bool:
-    """True while ``module`` has an instance-level ``forward`` (ours or another extension's)."""
-    return "forward" in module.__dict__
+def is_routed(module: nn.Module, method: str = "forward") -> bool:
+    """True while ``module`` has an instance-level ``method`` (ours or another extension's)."""
+    return method in module.__dict__

@@ -9,7 +9,7 @@ from . import host
 from .backend_bridge import BackendUnavailable
 from .extension import Extension
 from .settings import from_ui_args
-from .ui import build_panel
+from .ui import Panel, bind_refresh_after_generation, build_panel
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +23,8 @@ def make_script_class(extension: Extension) -> type:
     class AccelerateWithOpenVINO(base):  # type: ignore[misc, valid-type]
         """Runs A1111's own pipeline with the UNet, VAE and text encoder in OpenVINO."""
 
+        panel: Panel | None = None
+
         def title(self) -> str:
             return TITLE
 
@@ -30,7 +32,11 @@ def make_script_class(extension: Extension) -> type:
             return True
 
         def ui(self, is_img2img: bool) -> list[Any]:
-            return build_panel(self, extension, is_img2img)
+            self.panel = build_panel(self, extension, is_img2img)
+            return self.panel.args
+
+        def after_component(self, component: Any, **kwargs: Any) -> None:
+            bind_refresh_after_generation(self.panel, component, kwargs.get("elem_id"), extension)
 
         def run(self, p: Any, *args: Any) -> Any:
             try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .settings import AccelerateSettings
@@ -22,15 +22,25 @@ def format_bytes(size: int) -> str:
     return f"{value:.1f} GiB"
 
 
+def _calls(count: int) -> str:
+    return "not called" if count == 0 else f"{count} call" + ("s" if count != 1 else "")
+
+
 def run_status(
-    settings: AccelerateSettings, routed_paths: Sequence[str], reports: Iterable[Any], stats: dict[str, float]
+    settings: AccelerateSettings, routed: Mapping[str, int], reports: Iterable[Any], stats: dict[str, float]
 ) -> str:
-    """What ran in OpenVINO, what fell back to PyTorch and why, compile vs run time, cache hits, device."""
+    """What ran in OpenVINO, what fell back to PyTorch and why, compile vs run time, cache hits, device.
+
+    Args:
+        settings: the run's settings.
+        routed: label of each routed module -> how many times it was called during the run.
+        reports: the backend's compile reports made during the run.
+        stats: the backend's counters accumulated during the run.
+    """
     reports = list(reports)
     devices = sorted({str(getattr(r, "device", settings.device)) for r in reports}) or [settings.device]
-    lines = [
-        f"OpenVINO ({settings.infotext()}) on {', '.join(devices)}: " f"{', '.join(routed_paths) or 'nothing routed'}."
-    ]
+    parts = ", ".join(f"{label} ({_calls(count)})" for label, count in routed.items())
+    lines = [f"OpenVINO ({settings.infotext()}) on {', '.join(devices)}: {parts or 'nothing routed'}."]
     lines.append(
         f"Compile {stats.get('compile_seconds', 0.0):.1f} s, run {stats.get('run_seconds', 0.0):.1f} s; "
         f"{int(stats.get('ov_calls', 0))} OpenVINO calls, {int(stats.get('eager_calls', 0))} PyTorch "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from . import host
@@ -18,6 +19,13 @@ from .settings import DEFAULTS, FIELD_NAMES, FIELDS, PRECISIONS, build_settings
 from .status import to_html
 
 logger = logging.getLogger(__name__)
+
+#: A1111's element under the images that shows a generation's infotext and comments
+#: (``modules/ui_common.py`` ``create_output_panel``). Every generation updates it, so its ``change``
+#: event refreshes "Last run" and "Ready sizes" after each run without a poll (gradio 3.41 has no
+#: event that fires when another extension's generation ends, and dropdown scripts get no hook after
+#: ``run``); the same status is also in ``Processed.comments``, shown in that element.
+RESULT_ELEM_ID = "html_info_{tab}"
 
 SECTION = ("openvino", "OpenVINO")
 OPTION_PREFIX = "openvino_"
@@ -64,8 +72,22 @@ def _label_for(device: str, choices: list[tuple[str, str]]) -> str:
     return choices[0][0]
 
 
-def build_panel(script: Any, extension: Any, is_img2img: bool) -> list[Any]:
-    """Build the panel in the script's accordion; returns the components of ``run``'s args in order."""
+@dataclass(frozen=True)
+class Panel:
+    """The components of one tab's panel that other code needs."""
+
+    args: list[Any]
+    """The components whose values are ``run``'s args, in :data:`FIELD_NAMES` order."""
+    status: Any
+    """The "Last run" box."""
+    ready: Any
+    """The "Ready sizes" box."""
+    tab: str
+    """"txt2img" or "img2img"."""
+
+
+def build_panel(script: Any, extension: Any, is_img2img: bool) -> Panel:
+    """Build the panel in the script's accordion."""
     gr = host.gradio()
     defaults = panel_defaults()
     choices = _device_choices(extension)
@@ -167,7 +189,25 @@ def build_panel(script: Any, extension: Any, is_img2img: bool) -> list[Any]:
         outputs=outputs,
         _js=f"(...a) => ovAccelerate.startCompile(a, {len(outputs)}, {json.dumps(ids['precompile_progress'])})",
     )
-    return args
+    return Panel(args=args, status=status, ready=ready, tab=config["tab"])
+
+
+def bind_refresh_after_generation(panel: Panel | None, component: Any, elem_id: str | None, extension: Any) -> bool:
+    """If ``component`` is the tab's result element (:data:`RESULT_ELEM_ID`), refresh the panel's
+    "Last run" and "Ready sizes" whenever it changes. Call from ``Script.after_component``.
+
+    Returns:
+        True when the refresh was bound.
+    """
+    if panel is None or elem_id != RESULT_ELEM_ID.format(tab=panel.tab):
+        return False
+    component.change(
+        PanelHandlers(extension).after_generation,
+        inputs=[],
+        outputs=[panel.status, panel.ready],
+        show_progress="hidden",
+    )
+    return True
 
 
 class PanelHandlers:
@@ -187,6 +227,10 @@ class PanelHandlers:
             _safe(self.extension.ready_sizes_text),
             self.extension.last_status,
         )
+
+    def after_generation(self) -> tuple[str, str]:
+        """Last status and ready sizes (after a generation)."""
+        return self.extension.last_status, _safe(self.extension.ready_sizes_text)
 
     def precompile(self, sizes: str, batch: float, *args: Any) -> Iterator[tuple[str, str]]:
         """Compile the sizes; yields (progress, ready sizes) while it runs."""

@@ -6,6 +6,7 @@ the same surface (only for working on the adapter while the backend is unfinishe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -27,33 +28,50 @@ def _drop_fake_modules() -> None:
             del sys.modules[name]
 
 
+@contextlib.contextmanager
+def _installed_host(tmp_path: Path) -> Iterator[SimpleNamespace]:
+    _drop_fake_modules()
+    sys.path.insert(0, str(FAKE_HOST))
+    try:
+        from modules import paths, processing, script_callbacks, scripts, sd_models, shared
+        from tiny_model import MODELS, TinyLatentDiffusion
+
+        paths.models_path = str(tmp_path / "models")
+        model = TinyLatentDiffusion(seed=0)
+        sd_models.load_model(model, sd_models.CheckpointInfo(str(tmp_path / "tiny-a.safetensors"), "a" * 64))
+        yield SimpleNamespace(
+            shared=shared,
+            processing=processing,
+            scripts=scripts,
+            callbacks=script_callbacks,
+            sd_models=sd_models,
+            paths=paths,
+            model=model,
+            make_model=TinyLatentDiffusion,
+            models=MODELS,
+            tmp_path=tmp_path,
+        )
+        script_callbacks.clear_callbacks()
+    finally:
+        _drop_fake_modules()
+        sys.path.remove(str(FAKE_HOST))
+
+
 @pytest.fixture
-def fake_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
+def fake_host(tmp_path: Path) -> Iterator[SimpleNamespace]:
     """The fake ``modules`` package of A1111 v1.10.1, with a tiny SD1 checkpoint loaded."""
-    _drop_fake_modules()
-    monkeypatch.syspath_prepend(str(FAKE_HOST))
-    from modules import paths, processing, script_callbacks, scripts, sd_models, shared
-    from tiny_model import TinyLatentDiffusion
-
-    paths.models_path = str(tmp_path / "models")
-    model = TinyLatentDiffusion(seed=0)
-    sd_models.load_model(model, sd_models.CheckpointInfo(str(tmp_path / "tiny-a.safetensors"), "a" * 64))
-    yield SimpleNamespace(
-        shared=shared,
-        processing=processing,
-        scripts=scripts,
-        callbacks=script_callbacks,
-        sd_models=sd_models,
-        paths=paths,
-        model=model,
-        make_model=TinyLatentDiffusion,
-        tmp_path=tmp_path,
-    )
-    script_callbacks.clear_callbacks()
-    _drop_fake_modules()
+    with _installed_host(tmp_path) as host:
+        yield host
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
+def session_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    """Like ``fake_host``, for a whole test module: one WebUI session with many generations."""
+    with _installed_host(tmp_path_factory.mktemp("session")) as host:
+        yield host
+
+
+@pytest.fixture(scope="session")
 def backend_api() -> Any:
     """The backend API the extension uses in tests."""
     if os.environ.get("OV_WEBUI_TESTS_BACKEND") == "standin":
@@ -110,3 +128,10 @@ def pixels(processed: Any) -> list[np.ndarray]:
 
 def max_pixel_diff(a: Any, b: Any) -> int:
     return max(int(np.abs(x - y).max()) for x, y in zip(pixels(a), pixels(b)))
+
+
+def load_family(host: SimpleNamespace, family: str, seed: int = 0) -> Any:
+    """Load a tiny checkpoint of ``family`` ("sd1", "sd2", "sdxl") as A1111 would."""
+    model = host.models[family](seed=seed)
+    info = host.sd_models.CheckpointInfo(str(host.tmp_path / f"tiny-{family}-{seed}.safetensors"), family[-1] * 64)
+    return host.sd_models.load_model(model, info)

@@ -64,7 +64,6 @@ def _free_port() -> int:
 
 @pytest.fixture
 def served_panel(fake_host: Any, extension: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Any]]:
-    import gradio as gr
     import gradio.routes
 
     from ov_accelerate_webui.script import make_script_class
@@ -87,11 +86,11 @@ def served_panel(fake_host: Any, extension: Any, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(gradio.routes.templates, "TemplateResponse", template_response)
     for var in ("no_proxy", "NO_PROXY"):  # gradio checks that it can reach localhost
         monkeypatch.setenv(var, "localhost,127.0.0.1")
-    script = make_script_class(extension)()
-    script.is_txt2img = True
-    with gr.Blocks(analytics_enabled=False) as demo:
-        gr.Textbox(label="Prompt", elem_id="txt2img_prompt")
-        script.ui(False)
+    from modules import scripts, ui
+
+    runner = scripts.ScriptRunner(is_img2img=False)  # the txt2img tab, built in A1111's order
+    script = runner.add(make_script_class(extension))
+    demo = ui.create_tab(runner)
     port = _free_port()
     demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
@@ -169,3 +168,20 @@ def test_panel_hints_devices_and_clear_cache_confirmation(
     wait.until(lambda d: _text(d, script.elem_id("cache_size")).startswith("Cleared."))
     assert backend_api.model_cache(str(cache_dir)).total_bytes() == 0
     time.sleep(0.1)
+
+
+def test_last_run_updates_after_generate_without_refresh(
+    served_panel: tuple[str, Any], browser: Any, extension: Any
+) -> None:
+    url, script = served_panel
+    browser.get(url)
+    wait = WebDriverWait(browser, 30)
+    wait.until(lambda d: d.find_elements(By.ID, "txt2img_generate"))
+    assert _text(browser, script.elem_id("status")) == "No generation with OpenVINO yet."
+    for part in ("unet", "vae", "text_encoder"):  # a run without compiling: no part selected
+        browser.find_element(By.CSS_SELECTOR, f"#{script.elem_id(part)} input").click()
+    browser.find_element(By.ID, "txt2img_generate").click()
+
+    wait.until(lambda d: _text(d, script.elem_id("status")).startswith("No part selected"))
+    assert "No part selected" in browser.find_element(By.ID, "html_info_txt2img").text
+    assert extension.last_status.startswith("No part selected")

@@ -1,24 +1,89 @@
-"""A tiny SD1-style model in the LDM layout A1111 loads, built from small diffusers/transformers configs.
+"""Tiny models in the layouts A1111 loads, built from small diffusers/transformers configs.
 
-``model.diffusion_model`` (forward(x, timesteps, context, y=None)), ``first_stage_model`` (encoder,
-decoder, quant convs, encode/decode), ``cond_stage_model.wrapped.transformer`` (a transformers
-CLIPTextModel) with fake token ids (no tokenizer files needed).
+* :class:`TinyLatentDiffusion`: SD1 (ldm ``LatentDiffusion``): ``model.diffusion_model`` (forward
+  ``(x, timesteps, context, y=None)``), ``first_stage_model`` (encoder, decoder, quant convs),
+  ``cond_stage_model.wrapped.transformer`` (a transformers CLIPTextModel) after A1111's hijack.
+* :class:`TinySD2`: SD2: the same, with the open_clip text encoder (``cond_stage_model.wrapped`` is
+  ldm's ``FrozenOpenCLIPEmbedder``).
+* :class:`TinySDXL`: SDXL (sgm ``DiffusionEngine``): ``conditioner.embedders`` = [CLIP-L, OpenCLIP-bigG,
+  3 size embedders], UNet forward with ``y``.
+The UNet and VAE of SD1 and SD2 come from the same seeded builders (same weights for the same seed).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
+from modules.sd_hijack_clip import FrozenCLIPEmbedderForSDXLWithCustomWords, FrozenCLIPEmbedderWithCustomWords
+from modules.sd_hijack_open_clip import FrozenOpenCLIPEmbedder2WithCustomWords, FrozenOpenCLIPEmbedderWithCustomWords
+from tiny_open_clip import CLIPText, FrozenOpenCLIPEmbedder, FrozenOpenCLIPEmbedder2
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel
 
 CONTEXT_DIM = 32
 VOCAB = 1000
 BOS, EOS = VOCAB - 2, VOCAB - 1
+SIZE_EMBED = 8  # SDXL size embedders' outdim (256 in SDXL)
+POOLED = 16
+
+
+def build_unet(seed: int, y_dim: int | None = None) -> UNet2DConditionModel:
+    torch.manual_seed(seed)
+    extra = {"class_embed_type": "projection", "projection_class_embeddings_input_dim": y_dim} if y_dim else {}
+    return UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=CONTEXT_DIM,
+        attention_head_dim=4,
+        norm_num_groups=8,
+        **extra,
+    )
+
+
+def build_vae(seed: int) -> AutoencoderKL:
+    torch.manual_seed(seed + 1)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=64,
+    )
+
+
+def build_clip(seed: int, hidden: int) -> CLIPTextModel:
+    torch.manual_seed(seed + 2)
+    config = CLIPTextConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
+    return CLIPTextModel(config)
+
+
+def build_open_clip(seed: int, width: int) -> CLIPText:
+    torch.manual_seed(seed + 3)
+    return CLIPText(vocab_size=VOCAB, width=width, layers=2, heads=2, embed_dim=POOLED)
 
 
 class LdmUNet(nn.Module):
-    """``openaimodel.UNetModel``'s call signature over a diffusers UNet."""
+    """``openaimodel.UNetModel``'s call signature over a diffusers UNet (``y`` -> class embedding)."""
 
     def __init__(self, unet: UNet2DConditionModel) -> None:
         super().__init__()
@@ -33,16 +98,29 @@ class LdmUNet(nn.Module):
         y: torch.Tensor = None,
         **kwargs: object,
     ) -> torch.Tensor:
-        return self.unet(x, timesteps, encoder_hidden_states=context).sample
+        return self.unet(x, timesteps, encoder_hidden_states=context, class_labels=y).sample
 
 
 class DiffusionWrapper(nn.Module):
+    """ldm's DiffusionWrapper (crossattn conditioning)."""
+
     def __init__(self, unet: LdmUNet) -> None:
         super().__init__()
         self.diffusion_model = unet
 
-    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, c_crossattn: list) -> torch.Tensor:
-        return self.diffusion_model(x, timesteps, context=torch.cat(c_crossattn, 1))
+    def forward(self, x: torch.Tensor, t: torch.Tensor, c_crossattn: list) -> torch.Tensor:
+        return self.diffusion_model(x, t, context=torch.cat(c_crossattn, 1))
+
+
+class OpenAIWrapper(nn.Module):
+    """sgm's OpenAIWrapper: ``c`` is a dict with "crossattn" and "vector"."""
+
+    def __init__(self, unet: LdmUNet) -> None:
+        super().__init__()
+        self.diffusion_model = unet
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
+        return self.diffusion_model(x, timesteps=t, context=c.get("crossattn"), y=c.get("vector"))
 
 
 class Gaussian:
@@ -71,84 +149,27 @@ class FirstStage(nn.Module):
 
 
 class FrozenCLIPEmbedder(nn.Module):
-    def __init__(self, transformer: CLIPTextModel) -> None:
+    """ldm/sgm FrozenCLIPEmbedder: ``transformer`` (tokenizer omitted)."""
+
+    def __init__(self, transformer: CLIPTextModel, layer: str = "last", layer_idx: int | None = None) -> None:
         super().__init__()
-        self.transformer = transformer
+        self.transformer, self.layer, self.layer_idx = transformer, layer, layer_idx
+        self.input_key = "txt"
 
 
-class FrozenCLIPEmbedderWithCustomWords(nn.Module):
-    """A1111's hijacked SD1 text encoder: chunks of 75 tokens, each padded to 77 and encoded."""
+class _Ldm(nn.Module):
+    """What SD1 and SD2 share: ``LatentDiffusion``'s methods A1111 calls."""
 
-    def __init__(self, wrapped: FrozenCLIPEmbedder) -> None:
+    scale_factor = 0.18215
+
+    def __init__(self, seed: int, cond_stage_model: nn.Module) -> None:
         super().__init__()
-        self.wrapped = wrapped
-
-    def tokenize(self, text: str) -> list[int]:
-        return [(ord(ch) * 7 + i) % (VOCAB - 3) + 1 for i, ch in enumerate(text)]
-
-    def forward(self, texts: list[str]) -> torch.Tensor:
-        tokens = [self.tokenize(t) for t in texts]
-        chunks = max(1, max((len(t) + 74) // 75 for t in tokens))
-        outputs = []
-        for c in range(chunks):
-            batch = []
-            for t in tokens:
-                part = t[c * 75 : (c + 1) * 75]
-                batch.append([BOS, *part, EOS] + [EOS] * (75 - len(part)))
-            ids = torch.tensor(batch, dtype=torch.int64)
-            outputs.append(self.wrapped.transformer(input_ids=ids).last_hidden_state)
-        return torch.cat(outputs, dim=1)
-
-
-class TinyLatentDiffusion(nn.Module):
-    """``LatentDiffusion`` as A1111 has it loaded (SD1 flags)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        unet = UNet2DConditionModel(
-            sample_size=8,
-            in_channels=4,
-            out_channels=4,
-            layers_per_block=1,
-            block_out_channels=(16, 32),
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=CONTEXT_DIM,
-            attention_head_dim=4,
-            norm_num_groups=8,
-        )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=4,
-            block_out_channels=(8, 8, 8, 8),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=1,
-            norm_num_groups=4,
-            sample_size=64,
-        )
-        text = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=VOCAB,
-                hidden_size=CONTEXT_DIM,
-                intermediate_size=37,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                max_position_embeddings=77,
-                bos_token_id=BOS,
-                eos_token_id=EOS,
-            )
-        )
-        self.model = DiffusionWrapper(LdmUNet(unet))
-        self.first_stage_model = FirstStage(vae)
-        self.cond_stage_model = FrozenCLIPEmbedderWithCustomWords(FrozenCLIPEmbedder(text))
-        self.scale_factor = 0.18215
-        self.is_sd1, self.is_sd2, self.is_sdxl = True, False, False
+        self.model = DiffusionWrapper(LdmUNet(build_unet(seed)))
+        self.first_stage_model = FirstStage(build_vae(seed))
+        self.cond_stage_model = cond_stage_model
+        self.is_sd1, self.is_sd2, self.is_sdxl = False, False, False
         self.sd_checkpoint_info = None
         self.sd_model_hash = None
-        self.eval()
 
     def get_learned_conditioning(self, prompts: list[str]) -> torch.Tensor:
         return self.cond_stage_model(prompts)
@@ -164,3 +185,114 @@ class TinyLatentDiffusion(nn.Module):
 
     def get_first_stage_encoding(self, dist: Gaussian) -> torch.Tensor:
         return self.scale_factor * dist.sample()
+
+
+class TinyLatentDiffusion(_Ldm):
+    """SD1 as A1111 has it loaded."""
+
+    def __init__(self, seed: int = 0) -> None:
+        te = FrozenCLIPEmbedderWithCustomWords(FrozenCLIPEmbedder(build_clip(seed, CONTEXT_DIM)))
+        super().__init__(seed, te)
+        self.is_sd1 = True
+        self.eval()
+
+
+class TinySD2(_Ldm):
+    """SD2 as A1111 has it loaded: open_clip text encoder (penultimate layer)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        te = FrozenOpenCLIPEmbedderWithCustomWords(FrozenOpenCLIPEmbedder(build_open_clip(seed, CONTEXT_DIM)))
+        super().__init__(seed, te)
+        self.is_sd2 = True
+        self.eval()
+
+
+class ConcatTimestepEmbedderND(nn.Module):
+    """sgm's size embedder: each value -> sinusoidal embedding of ``outdim``, concatenated."""
+
+    def __init__(self, outdim: int, input_key: str) -> None:
+        super().__init__()
+        self.outdim, self.input_key = outdim, input_key
+        self.is_trainable, self.legacy_ucg_val, self.ucg_rate = False, None, 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, dims = x.shape
+        half = self.outdim // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+        args = x.reshape(-1, 1).float() * freqs[None]
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1).reshape(b, dims * self.outdim)
+
+
+class GeneralConditioner(nn.Module):
+    """sgm's GeneralConditioner: runs each embedder on its input key, concatenates by output rank."""
+
+    OUTPUT_DIM2KEYS = {2: "vector", 3: "crossattn", 4: "concat", 5: "concat"}
+    KEY2CATDIM = {"vector": 1, "crossattn": 2, "concat": 1}
+
+    def __init__(self, embedders: list[nn.Module]) -> None:
+        super().__init__()
+        self.embedders = nn.ModuleList(embedders)
+
+    def forward(self, batch: dict, force_zero_embeddings: list | None = None) -> dict[str, torch.Tensor]:
+        output: dict[str, torch.Tensor] = {}
+        for embedder in self.embedders:
+            emb_out = embedder(batch[embedder.input_key])
+            for emb in emb_out if isinstance(emb_out, (list, tuple)) else [emb_out]:
+                key = self.OUTPUT_DIM2KEYS[emb.dim()]
+                if embedder.input_key in (force_zero_embeddings or []):
+                    emb = torch.zeros_like(emb)
+                output[key] = torch.cat((output[key], emb), self.KEY2CATDIM[key]) if key in output else emb
+        return output
+
+
+class TinySDXL(nn.Module):
+    """SDXL base as A1111 has it loaded (sgm ``DiffusionEngine`` with A1111's hijacked embedders)."""
+
+    scale_factor = 0.13025
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        clip_l = FrozenCLIPEmbedder(build_clip(seed, CONTEXT_DIM // 2), layer="hidden", layer_idx=1)
+        clip_g = FrozenOpenCLIPEmbedder2(build_open_clip(seed, CONTEXT_DIM // 2))
+        sizes = ("original_size_as_tuple", "crop_coords_top_left", "target_size_as_tuple")
+        self.conditioner = GeneralConditioner(
+            [
+                FrozenCLIPEmbedderForSDXLWithCustomWords(clip_l),
+                FrozenOpenCLIPEmbedder2WithCustomWords(clip_g),
+                *(ConcatTimestepEmbedderND(SIZE_EMBED, key) for key in sizes),
+            ]
+        )
+        self.cond_stage_model = self.conditioner
+        self.model = OpenAIWrapper(LdmUNet(build_unet(seed, y_dim=POOLED + 3 * 2 * SIZE_EMBED)))
+        self.first_stage_model = FirstStage(build_vae(seed))
+        self.is_sd1, self.is_sd2, self.is_sdxl = False, False, True
+        self.sd_checkpoint_info = None
+        self.sd_model_hash = None
+        self.eval()
+
+    def get_learned_conditioning(self, batch: list[str], width: int = 1024, height: int = 1024) -> dict:
+        is_negative = getattr(batch, "is_negative_prompt", False)
+        n = len(batch)
+        conds = {
+            "txt": list(batch),
+            "original_size_as_tuple": torch.tensor([height, width], dtype=torch.float32).repeat(n, 1),
+            "crop_coords_top_left": torch.tensor([0, 0], dtype=torch.float32).repeat(n, 1),
+            "target_size_as_tuple": torch.tensor([height, width], dtype=torch.float32).repeat(n, 1),
+        }
+        zero = is_negative and all(x == "" for x in batch)
+        return self.conditioner(conds, force_zero_embeddings=["txt"] if zero else [])
+
+    def apply_model(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return self.model(x, t, cond)
+
+    def decode_first_stage(self, z: torch.Tensor) -> torch.Tensor:
+        return self.first_stage_model.decode(z / self.scale_factor)
+
+    def encode_first_stage(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale_factor * self.first_stage_model.encode(x).sample()
+
+    def get_first_stage_encoding(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+MODELS = {"sd1": TinyLatentDiffusion, "sd2": TinySD2, "sdxl": TinySDXL}

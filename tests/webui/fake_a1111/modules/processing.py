@@ -1,6 +1,17 @@
 """Fake ``modules.processing``: the processing classes, Processed and a ``process_images`` that drives the
-model's text encoder, UNet and VAE the way A1111's does (conds per prompt, CFG batch of cond+uncond,
-a k-diffusion-like Euler loop with interrupt checks, one VAE decode per image, infotext)."""
+model's text encoder, UNet and VAE the way A1111 v1.10.1's does:
+
+* conds per batch (the text encoder once per 77-token chunk, see ``sd_hijack_clip``); SDXL conds are
+  dicts and get the image size;
+* a k-diffusion-like Euler loop whose CFG step runs cond and uncond in one UNet batch, or in two calls
+  when their token counts differ (``opts.pad_cond_uncond`` off, the default); Interrupt and Skip stop
+  the loop after the current step and the batch's latent is still decoded;
+* txt2img hires fix (``sample_hr_pass``): first pass, latent upscaled ("Latent" upscaler, nearest),
+  second pass at the new size, VAE decode at the new size;
+* img2img (``init``): the init image resized to width x height, repeated to the batch size, VAE-encoded
+  once; sampling starts from it with the denoising strength;
+* one VAE decode per image (``decode_latent_batch``), infotext per image, batch count loop.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +25,22 @@ from PIL import Image
 
 from modules import script_callbacks, shared
 
+OPT_F = 8
+
 
 def quote(text: Any) -> Any:
     """A1111's ``infotext_utils.quote``."""
     if "," not in str(text) and "\n" not in str(text) and ":" not in str(text):
         return text
     return json.dumps(text, ensure_ascii=False)
+
+
+class SdConditioning(list):
+    """``prompt_parser.SdConditioning``: a list of prompts with the image size (SDXL uses it)."""
+
+    def __init__(self, prompts: list[str], width: int, height: int, is_negative_prompt: bool = False) -> None:
+        super().__init__(prompts)
+        self.width, self.height, self.is_negative_prompt = width, height, is_negative_prompt
 
 
 class StableDiffusionProcessing:
@@ -45,7 +66,7 @@ class StableDiffusionProcessing:
         do_not_save_samples: bool = False,
         do_not_save_grid: bool = False,
         override_settings: dict | None = None,
-        enable_hr: bool = False,
+        denoising_strength: float = 0.75,
         **kwargs: Any,
     ) -> None:
         self.sd_model = sd_model
@@ -57,44 +78,162 @@ class StableDiffusionProcessing:
         self.width, self.height = width, height
         self.do_not_save_samples, self.do_not_save_grid = do_not_save_samples, do_not_save_grid
         self.override_settings = override_settings or {}
-        self.enable_hr = enable_hr
+        self.denoising_strength = denoising_strength
         self.extra_generation_params: dict[str, Any] = {}
         self.comments: dict[str, int] = {}
         self.sd_model_name = None
         self.sd_model_hash = None
         self.scripts = None
         self.script_args: list = []
+        self.is_api = False
         for key, value in kwargs.items():
             setattr(self, key, value)
 
     def comment(self, text: str) -> None:
         self.comments[text] = 1
 
-    def init_latent(self, model: Any, seeds: list[int]) -> torch.Tensor | None:
-        return None
+    def init(self, all_seeds: list[int]) -> None:
+        pass
+
+    def conds(self, model: Any, prompts: list[str], negative: bool, width: int, height: int) -> Any:
+        batch = SdConditioning(prompts, width, height, is_negative_prompt=negative)
+        if getattr(model, "is_sdxl", False):
+            return model.get_learned_conditioning(batch, width=width, height=height)
+        return model.get_learned_conditioning(batch)
+
+    def sample(self, model: Any, seeds: list[int]) -> Any:
+        raise NotImplementedError
 
 
 class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
-    pass
+    def __init__(
+        self,
+        enable_hr: bool = False,
+        hr_scale: float = 2.0,
+        hr_upscaler: str = "Latent",
+        hr_second_pass_steps: int = 0,
+        hr_resize_x: int = 0,
+        hr_resize_y: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.enable_hr, self.hr_scale, self.hr_upscaler = enable_hr, hr_scale, hr_upscaler
+        self.hr_second_pass_steps, self.hr_resize_x, self.hr_resize_y = hr_second_pass_steps, hr_resize_x, hr_resize_y
+        self.hr_upscale_to_x = self.hr_upscale_to_y = 0
+        self.is_hr_pass = False
+
+    def init(self, all_seeds: list[int]) -> None:
+        if not self.enable_hr:
+            return
+        if self.hr_resize_x == 0 and self.hr_resize_y == 0:
+            self.extra_generation_params["Hires upscale"] = self.hr_scale
+            self.hr_upscale_to_x, self.hr_upscale_to_y = (
+                int(self.width * self.hr_scale),
+                int(self.height * self.hr_scale),
+            )
+        else:
+            self.extra_generation_params["Hires resize"] = f"{self.hr_resize_x}x{self.hr_resize_y}"
+            self.hr_upscale_to_x, self.hr_upscale_to_y = self.hr_resize_x, self.hr_resize_y
+        self.extra_generation_params["Hires upscaler"] = self.hr_upscaler
+        shared.state.job_count = shared.state.job_count * 2
+
+    def sample(self, model: Any, seeds: list[int]) -> Any:
+        shape = (4, self.height // OPT_F, self.width // OPT_F)
+        samples = denoise(self, model, noise(seeds, shape), self.c, self.uc, self.steps, 1.0)
+        if not self.enable_hr:
+            return samples
+        return self.sample_hr_pass(model, samples, seeds)
+
+    def sample_hr_pass(self, model: Any, samples: torch.Tensor, seeds: list[int]) -> Any:
+        if shared.state.interrupted:
+            return samples
+        self.is_hr_pass = True
+        width, height = self.hr_upscale_to_x, self.hr_upscale_to_y
+        samples = torch.nn.functional.interpolate(samples, size=(height // OPT_F, width // OPT_F), mode="nearest")
+        shared.state.nextjob()
+        hr_noise = noise(seeds, samples.shape[1:])
+        hr_c = self.conds(model, self.prompts, False, width, height)
+        hr_uc = self.conds(model, self.negative_prompts, True, width, height)
+        steps = self.hr_second_pass_steps or self.steps
+        samples = denoise(self, model, samples + hr_noise, hr_c, hr_uc, steps, self.denoising_strength)
+        self.is_hr_pass = False
+        return DecodedList(decode_latent_batch(model, samples))
 
 
 class StableDiffusionProcessingImg2Img(StableDiffusionProcessing):
-    def __init__(
-        self, init_images: list | None = None, denoising_strength: float = 0.75, mask: Any = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, init_images: list | None = None, mask: Any = None, resize_mode: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.init_images = init_images or []
-        self.denoising_strength = denoising_strength
-        self.mask = mask
+        self.image_mask, self.mask = mask, None
+        self.resize_mode = resize_mode
+        self.init_latent: torch.Tensor | None = None
 
-    def init_latent(self, model: Any, seeds: list[int]) -> torch.Tensor | None:
-        images = [
-            np.asarray(img.convert("RGB").resize((self.width, self.height)), dtype=np.float32)
-            for img in self.init_images
-        ]
-        batch = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2) / 127.5 - 1.0
-        batch = batch[:1].repeat(len(seeds), 1, 1, 1)
-        return model.get_first_stage_encoding(model.encode_first_stage(batch))
+    def init(self, all_seeds: list[int]) -> None:
+        model = self.sd_model
+        imgs = []
+        for img in self.init_images:
+            image = img.convert("RGB").resize((self.width, self.height))
+            imgs.append(np.moveaxis(np.array(image).astype(np.float32) / 255.0, 2, 0))
+        batch = np.expand_dims(imgs[0], 0).repeat(self.batch_size, 0) if len(imgs) == 1 else np.array(imgs)
+        image = torch.from_numpy(batch)
+        self.init_latent = model.get_first_stage_encoding(model.encode_first_stage(2.0 * image - 1.0))
+
+    def sample(self, model: Any, seeds: list[int]) -> Any:
+        x = noise(seeds, self.init_latent.shape[1:])
+        return denoise(self, model, self.init_latent + x, self.c, self.uc, self.steps, self.denoising_strength)
+
+
+class DecodedList(list):
+    """What ``sample`` returns when it already decoded (``already_decoded`` in A1111)."""
+
+    already_decoded = True
+
+
+def noise(seeds: list[int], shape: Any) -> torch.Tensor:
+    return torch.stack([torch.randn(tuple(shape), generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+
+def _cat(a: Any, b: Any) -> Any:
+    if isinstance(a, dict):
+        return {k: torch.cat([a[k], b[k]]) for k in a}
+    return torch.cat([a, b])
+
+
+def _tokens(c: Any) -> int:
+    return (c["crossattn"] if isinstance(c, dict) else c).shape[1]
+
+
+def denoise(p: Any, model: Any, x: torch.Tensor, cond: Any, uncond: Any, steps: int, strength: float) -> torch.Tensor:
+    """Euler-like loop with CFG; stops after the current step on Interrupt or Skip (like A1111's
+    ``InterruptedException``), returning the latent so far."""
+    state = shared.state
+    sigmas = torch.linspace(2.0, 0.0, steps + 1) * strength
+    x = x * max(float(sigmas[0]), 1e-3) if strength >= 1.0 else x
+    state.sampling_steps = steps
+    for i in range(steps):
+        if state.interrupted or state.skipped:
+            break
+        script_callbacks.cfg_denoiser_callback(script_callbacks.CFGDenoiserParams(x, sigmas[i], cond, uncond, i, steps))
+        x_in = torch.cat([x, x]) / (1 + sigmas[i] ** 2) ** 0.5
+        sigma_in = torch.full((x_in.shape[0],), float(sigmas[i]) * 100.0)
+        if _tokens(cond) == _tokens(uncond):
+            out = model.apply_model(x_in, sigma_in, _cat(cond, uncond))
+        else:  # A1111 with pad_cond_uncond off: cond and uncond in separate UNet calls
+            n = x.shape[0]
+            out = torch.cat(
+                [model.apply_model(x_in[:n], sigma_in[:n], cond), model.apply_model(x_in[n:], sigma_in[n:], uncond)]
+            )
+        denoised_c, denoised_u = out.chunk(2)
+        denoised = denoised_u + p.cfg_scale * (denoised_c - denoised_u)
+        x = x + (sigmas[i + 1] - sigmas[i]) * denoised * 0.1
+        state.sampling_step = i + 1
+        state.current_latent = x
+    return x
+
+
+def decode_latent_batch(model: Any, batch: torch.Tensor) -> list[torch.Tensor]:
+    """One VAE decode per image, as A1111 does."""
+    return [model.decode_first_stage(batch[i : i + 1])[0] for i in range(batch.shape[0])]
 
 
 class Processed:
@@ -125,6 +264,21 @@ class Processed:
         self.index_of_first_image = index_of_first_image
         self.extra_generation_params = p.extra_generation_params
 
+    def js(self) -> str:
+        """The ``info`` JSON of the API response."""
+        return json.dumps(
+            {
+                "prompt": self.prompt,
+                "seed": self.seed,
+                "all_seeds": self.all_seeds,
+                "width": self.width,
+                "height": self.height,
+                "extra_generation_params": self.extra_generation_params,
+                "infotexts": self.infotexts,
+                "comments": self.comments,
+            }
+        )
+
 
 def create_infotext(p: Any, prompt: str, seed: int) -> str:
     params = {
@@ -141,41 +295,11 @@ def create_infotext(p: Any, prompt: str, seed: int) -> str:
     return f"{prompt}\nNegative prompt: {p.negative_prompt}\n{text}"
 
 
-def _sample(p: Any, model: Any, seeds: list[int], cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
-    state = shared.state
-    shape = (4, p.height // 8, p.width // 8)
-    noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
-    sigmas = torch.linspace(2.0, 0.0, p.steps + 1)
-    start = p.init_latent(model, seeds)
-    x = noise * sigmas[0] if start is None else start + noise * sigmas[0] * p.denoising_strength
-    state.sampling_steps = p.steps
-    for i in range(p.steps):
-        if state.interrupted or state.skipped:
-            break
-        script_callbacks.cfg_denoiser_callback(
-            script_callbacks.CFGDenoiserParams(x, sigmas[i], cond, uncond, i, p.steps)
-        )
-        x_in = torch.cat([x, x])
-        sigma_in = torch.full((x_in.shape[0],), float(sigmas[i]) * 100.0)
-        if cond.shape[1] != uncond.shape[1]:  # A1111 pads the shorter cond with its last chunk
-            length = max(cond.shape[1], uncond.shape[1])
-            cond, uncond = (
-                torch.cat([c, c[:, -77:].repeat(1, (length - c.shape[1]) // 77, 1)], 1) if c.shape[1] < length else c
-                for c in (cond, uncond)
-            )
-        cond_in = torch.cat([cond, uncond])
-        denoised_c, denoised_u = model.apply_model(x_in / (1 + sigmas[i] ** 2) ** 0.5, sigma_in, cond_in).chunk(2)
-        denoised = denoised_u + p.cfg_scale * (denoised_c - denoised_u)
-        x = x + (sigmas[i + 1] - sigmas[i]) * denoised * 0.1
-        state.sampling_step = i + 1
-        state.current_latent = x
-    return x
-
-
 def process_images(p: Any) -> Processed:
     """Runs the whole pipeline, as A1111's ``process_images`` does."""
     state = shared.state
     model = p.sd_model if p.sd_model is not None else shared.sd_model
+    p.sd_model = model
     p.sd_model_name = model.sd_checkpoint_info.name_for_extra
     p.sd_model_hash = model.sd_model_hash
     seed = p.seed if p.seed != -1 else random.randrange(2**31)
@@ -184,18 +308,21 @@ def process_images(p: Any) -> Processed:
     images: list[Image.Image] = []
     infotexts: list[str] = []
     with torch.no_grad():
+        p.init(all_seeds)
         for n in range(p.n_iter):
+            p.iteration = n
             if state.skipped:
                 state.skipped = False
             if state.interrupted or state.stopping_generation:
                 break
             seeds = all_seeds[n * p.batch_size : (n + 1) * p.batch_size]
-            cond = model.get_learned_conditioning([p.prompt] * p.batch_size)
-            uncond = model.get_learned_conditioning([p.negative_prompt] * p.batch_size)
-            samples = _sample(p, model, seeds, cond, uncond)
+            p.prompts, p.negative_prompts = [p.prompt] * p.batch_size, [p.negative_prompt] * p.batch_size
+            p.c = p.conds(model, p.prompts, False, p.width, p.height)
+            p.uc = p.conds(model, p.negative_prompts, True, p.width, p.height)
+            samples = p.sample(model, seeds)
+            decoded = samples if getattr(samples, "already_decoded", False) else decode_latent_batch(model, samples)
             for i, s in enumerate(seeds):
-                decoded = model.decode_first_stage(samples[i : i + 1])
-                arr = ((decoded[0].clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0).round().to(torch.uint8).numpy()
+                arr = ((decoded[i].clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0).round().to(torch.uint8).numpy()
                 images.append(Image.fromarray(arr))
                 infotexts.append(create_infotext(p, p.prompt, s))
             state.nextjob()

@@ -1,0 +1,98 @@
+"""Fake ``modules.sd_hijack_clip``: A1111's prompt chunking around the transformers CLIP text encoders.
+
+Mirrors v1.10.1: a prompt is split into chunks of 75 tokens, each chunk gets start/end tokens (77),
+``encode_with_transformers`` is called once per chunk and the results are concatenated along the
+token axis (77, 154, ... tokens). SD1 calls ``wrapped.transformer(input_ids=..., output_hidden_states=
+-CLIP_stop_at_last_layers)``; SDXL's CLIP-L calls it with ``output_hidden_states=layer == "hidden"``.
+Tokens are derived from characters (no tokenizer files): one character is one token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from modules import shared
+
+
+class FrozenCLIPEmbedderWithCustomWordsBase(nn.Module):
+    """Chunks of 75 tokens, each padded to 77 and encoded; ``forward(texts)`` -> (B, 77 * chunks, C)."""
+
+    chunk_length = 75
+
+    def __init__(self, wrapped: nn.Module, vocab_size: int, id_start: int, id_end: int, id_pad: int) -> None:
+        super().__init__()
+        self.wrapped = wrapped
+        self.vocab_size = vocab_size
+        self.id_start, self.id_end, self.id_pad = id_start, id_end, id_pad
+        self.input_key = getattr(wrapped, "input_key", "txt")
+        self.is_trainable = False
+        self.legacy_ucg_val = None
+        self.ucg_rate = 0.0
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [[(ord(ch) * 7 + i) % (self.vocab_size - 3) + 1 for i, ch in enumerate(t)] for t in texts]
+
+    def tokenize_line(self, line: str) -> list[list[int]]:
+        tokens = self.tokenize([line])[0]
+        chunks = []
+        for start in range(0, max(len(tokens), 1), self.chunk_length):
+            part = tokens[start : start + self.chunk_length]
+            chunks.append([self.id_start, *part] + [self.id_end] * (self.chunk_length + 1 - len(part)))
+        return chunks
+
+    def empty_chunk(self) -> list[int]:
+        return [self.id_start] + [self.id_end] * (self.chunk_length + 1)
+
+    def forward(self, texts: list[str]) -> Any:
+        batch_chunks = [self.tokenize_line(t) for t in texts]
+        zs = []
+        for i in range(max(len(c) for c in batch_chunks)):
+            tokens = [chunks[i] if i < len(chunks) else self.empty_chunk() for chunks in batch_chunks]
+            zs.append(self.process_tokens(tokens))
+        if getattr(self.wrapped, "return_pooled", False):
+            return torch.hstack(zs), zs[0].pooled
+        return torch.hstack(zs)
+
+    def process_tokens(self, remade_batch_tokens: list[list[int]]) -> torch.Tensor:
+        tokens = torch.asarray(remade_batch_tokens)
+        if self.id_end != self.id_pad:  # SD2/SDXL-G: pad with id_pad after the first end token
+            for pos, row in enumerate(remade_batch_tokens):
+                tokens[pos, row.index(self.id_end) + 1 :] = self.id_pad
+        z = self.encode_with_transformers(tokens)
+        pooled = getattr(z, "pooled", None)
+        z = z * 1.0  # emphasis with all multipliers 1.0 (A1111's "Original" emphasis keeps the mean)
+        if pooled is not None:
+            z.pooled = pooled
+        return z
+
+    def encode_with_transformers(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class FrozenCLIPEmbedderWithCustomWords(FrozenCLIPEmbedderWithCustomWordsBase):
+    """SD1: ``cond_stage_model`` after A1111's hijack; ``wrapped.transformer`` is a CLIPTextModel."""
+
+    def __init__(self, wrapped: nn.Module) -> None:
+        config = wrapped.transformer.config
+        super().__init__(wrapped, config.vocab_size, config.bos_token_id, config.eos_token_id, config.eos_token_id)
+
+    def encode_with_transformers(self, tokens: torch.Tensor) -> torch.Tensor:
+        clip_skip = shared.opts.CLIP_stop_at_last_layers
+        outputs = self.wrapped.transformer(input_ids=tokens, output_hidden_states=-clip_skip)
+        if clip_skip > 1:
+            z = outputs.hidden_states[-clip_skip]
+            return self.wrapped.transformer.text_model.final_layer_norm(z)
+        return outputs.last_hidden_state
+
+
+class FrozenCLIPEmbedderForSDXLWithCustomWords(FrozenCLIPEmbedderWithCustomWords):
+    """SDXL's CLIP-L (``conditioner.embedders[0]``): the hidden state of ``wrapped.layer_idx``."""
+
+    def encode_with_transformers(self, tokens: torch.Tensor) -> torch.Tensor:
+        outputs = self.wrapped.transformer(input_ids=tokens, output_hidden_states=self.wrapped.layer == "hidden")
+        if self.wrapped.layer == "last":
+            return outputs.last_hidden_state
+        return outputs.hidden_states[self.wrapped.layer_idx]
