@@ -35,10 +35,6 @@ def test_routed_during_process_images_and_restored_after(fake_host: Any, extensi
     assert max_pixel_diff(processed, baseline) <= IMAGE_TOLERANCE
     assert "OpenVINO" in processed.comments and "model.diffusion_model" in processed.comments
     assert extension.last_status in processed.comments
-
-
-def test_infotext_records_openvino(fake_host: Any, extension: Any, f32: Any) -> None:
-    processed = extension.run(make_p(fake_host), f32)
     assert 'OpenVINO: "CPU, UNet+VAE+TE, f32"' in processed.infotexts[0]
 
 

@@ -175,3 +175,25 @@ def test_two_threads_share_compiled_models_safely(fake_host: Any, extension: Ext
     assert not errors, errors[0]
     for i in range(2):
         torch.testing.assert_close(results[i], expected[i], atol=1e-3, rtol=1e-3)
+
+
+def test_last_run_and_ready_sizes_follow_each_generation(fake_host: Any, extension: Extension) -> None:
+    """The panel binds to the change of A1111's result element (``html_info_<tab>``), built after it."""
+    from modules import scripts, ui
+
+    from ov_accelerate_webui.script import make_script_class
+
+    runner = scripts.ScriptRunner(is_img2img=False)
+    script = runner.add(make_script_class(extension))
+    demo = ui.create_tab(runner)
+    ids = {block._id: getattr(block, "elem_id", None) for block in demo.blocks.values()}
+    bound = [
+        d
+        for d in demo.dependencies
+        if d["trigger"] == "change" and [ids[target] for target in d["targets"]] == ["html_info_txt2img"]
+    ]
+    assert len(bound) == 1
+    assert [ids[o] for o in bound[0]["outputs"]] == [script.elem_id("status"), script.elem_id("ready")]
+    extension.last_status = "OpenVINO (CPU, UNet+VAE+TE, auto) on CPU: ..."
+    status, ready = demo.fns[demo.dependencies.index(bound[0])].fn()
+    assert status == extension.last_status and ready == "No size compiled yet for this checkpoint."
