@@ -1,5 +1,9 @@
 """SD 2.x and SDXL checkpoints (A1111's layouts, see ``fake_a1111/tiny_model.py``): every part is routed
-and actually called through OpenVINO, restored afterwards, images match PyTorch at f32, infotext."""
+and actually called through OpenVINO, restored afterwards, images match PyTorch at f32, infotext.
+
+Runs after ``test_webui_generation.py``: SD2's UNet and VAE are SD1's (same seeded builders), so they
+come from the session's disk cache.
+"""
 
 from __future__ import annotations
 
