@@ -83,10 +83,12 @@ def classify_inputs(gm: torch.fx.GraphModule) -> list[InputKind]:
     return kinds
 
 
-def _signature(values: Sequence[Any]) -> tuple[Any, ...]:
+def _signature(values: Sequence[Any], scalar_tensors: frozenset[int] = frozenset()) -> tuple[Any, ...]:
     sig: list[Any] = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
+    for pos, v in enumerate(values):
+        if pos in scalar_tensors:  # an unspecialised Python number dynamo passes as a 0-d tensor
+            sig.append(v.item())
+        elif isinstance(v, torch.Tensor):
             sig.append((tuple(v.shape), str(v.dtype).replace("torch.", "")))
         else:
             sig.append(v if isinstance(v, (int, float, bool)) else repr(v))
@@ -135,7 +137,14 @@ class CompiledGraph:
                   zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs)]
         self.symbolic = any(isinstance(v, torch.SymInt) for v in values) or any(
             isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape) for v in values)
-        self._dynamic_dims = self._find_dynamic_dims(values)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # Python numbers dynamo did not specialise (e.g. a norm's eps with dynamic=True) arrive as
+        # 0-d tensors the graph only reads with .item(): they are baked into each signature's model
+        self._scalar_tensors = frozenset(
+            pos for pos, i in enumerate(self.user_index)
+            if isinstance(values[i], torch.Tensor) and values[i].dim() == 0 and placeholders[i].users
+            and all(u.op == "call_method" and u.target == "item" for u in placeholders[i].users))
+        self._dynamic_dims = None if self._scalar_tensors else self._find_dynamic_dims(values)
         self._lock = threading.RLock()
         self._watch: weights.WeightWatch | None = None
         self._fingerprint: str | None = None
@@ -177,7 +186,7 @@ class CompiledGraph:
     def __call__(self, *args: Any) -> Any:
         weight_values = [args[i] for i in self.weight_index]
         user_values = [args[i] for i in self.user_index]
-        sig = _signature(user_values)
+        sig = _signature(user_values, self._scalar_tensors)
         variants = self._variants_for(weight_values)
         variant = variants.get(sig)
         if variant is None:
@@ -351,8 +360,9 @@ class CompiledGraph:
     def _build_static(self, sig: tuple[Any, ...], user_values: Sequence[Any],
                       weight_values: Sequence[torch.Tensor], report: CompileReport) -> _Variant:
         settings = self.backend.settings
-        scalars = {pos: v for pos, v in enumerate(user_values) if not isinstance(v, torch.Tensor)}
-        tensors = [v for v in user_values if isinstance(v, torch.Tensor)]
+        scalars = {pos: v for pos, v in enumerate(user_values)
+                   if not isinstance(v, torch.Tensor) or pos in self._scalar_tensors}
+        tensors = [v for pos, v in enumerate(user_values) if pos not in scalars]
         whole_key = None
         if settings.model_caching and self._outputs_are_tensors():
             whole_key = self._key("whole", sig, {"graph": self._graph_code})
@@ -400,7 +410,7 @@ class CompiledGraph:
         scalar_free = graph
 
         def run(user: Sequence[Any]) -> Any:
-            return scalar_free(*[v for v in user if isinstance(v, torch.Tensor)])
+            return scalar_free(*[v for pos, v in enumerate(user) if pos not in scalars])
 
         return _Variant(run, in_openvino=in_ov)
 
@@ -432,7 +442,9 @@ class CompiledGraph:
         report.partitions.append(part)
         runner = OVRunner(compiled, [self._output_dtype(o) for o in self._outputs()])
         logger.info("OpenVINO compiled %s", report.summary())
-        return _Variant(lambda user: tuple(runner([v for v in user if isinstance(v, torch.Tensor)])),
+        baked = self._scalar_tensors
+        return _Variant(lambda user: tuple(runner([v for pos, v in enumerate(user)
+                                                   if isinstance(v, torch.Tensor) and pos not in baked])),
                         in_openvino=True)
 
     def _convert_and_compile(self, graph: torch.fx.GraphModule, name: str, report: CompileReport,

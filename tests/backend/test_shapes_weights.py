@@ -115,3 +115,26 @@ def test_two_threads_one_module():
     for i, want in enumerate(expected):
         torch.testing.assert_close(results[i], want, atol=F32_ATOL, rtol=F32_RTOL)
     assert backend.stats()["eager_calls"] == 0
+
+
+def test_dynamic_true_with_unspecialised_module_floats(backend):
+    """With dynamic=True dynamo passes a norm's eps as a 0-d tensor read by .item(): baked, not eager."""
+
+    class NormScale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.norm = torch.nn.GroupNorm(2, 4)
+
+        def forward(self, x):
+            return self.norm(self.conv(x)) * 0.5
+
+    model = NormScale().eval()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for size in (8, 9, 8):
+            x = torch.randn(1, 4, size, size)
+            torch.testing.assert_close(compiled(x), model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    stats = backend.stats()
+    assert stats["eager_calls"] == 0 and stats["ov_calls"] == 3
+    assert stats["compiles"] == 2
