@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="interleave both precisions together (needs memory for every compiled model at once)")
     p.add_argument("--resolutions", nargs="*", metavar="HxW",
                    help="latent sizes for the new-shape measurement (default 64x64 96x64 64x96); none to skip")
+    p.add_argument("--resolutions-dynamic", action="store_true", default=None,
+                   help="compile the UNet of the new-resolution measurement with torch.compile(dynamic=True)")
     p.add_argument("--image-steps", type=int, help="steps of the whole-image split (default 20; quick 2; 0 skips)")
     p.add_argument("--image-precision", choices=("auto", "f32"), help="precision of the whole image (default auto)")
     p.add_argument("--only", nargs="+", choices=("components", "resolutions", "image"),
@@ -54,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "quick": args.quick, "components": components, "variants": args.variants, "rounds": args.rounds,
         "size": args.size, "out": args.out, "work_dir": args.work_dir, "warm": args.warm,
         "group_by_precision": args.group_by_precision, "resolutions": args.resolutions,
+        "resolutions_dynamic": args.resolutions_dynamic,
         "image_steps": args.image_steps, "image_precision": args.image_precision,
         "log_level": logging.INFO if args.verbose > 1 else logging.WARNING,
     }
@@ -61,12 +64,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = settings.build_settings(options)
     except ValueError as err:
         _parser().error(str(err))
-    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    results = runner.run(config, args.only)
-    results.update(command="python -m bench " + shlex.join(sys.argv[1:] if argv is None else list(argv)),
-                   started=started, machine=report.machine(), note=args.note,
-                   settings={k: str(v) for k, v in vars(config).items()})
+    header = {"command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else list(argv)),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": report.machine(), "note": args.note,
+              "settings": {k: str(v) for k, v in vars(config).items()}}
     stem = args.name or ("bench-quick" if config.quick else "bench-full")
+
+    def write(results: dict) -> None:
+        results.update(header)
+        report.write(results, config.out, stem)
+
+    results = runner.run(config, args.only, progress=write)
     json_path, md_path = report.write(results, config.out, stem)
     sys.stdout.write(report.markdown(results) + f"\nWrote {json_path} and {md_path}\n")
     return 0

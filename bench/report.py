@@ -39,6 +39,15 @@ def machine() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError) as err:
         logger.info("lscpu unavailable: %s", err)
     try:
+        root = Path(__file__).resolve().parent.parent
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=False).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "ov_backend", "bench"],
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        info["git_commit"] = commit + (" (ov_backend or bench modified)" if dirty else "")
+    except (OSError, subprocess.SubprocessError) as err:
+        logger.info("git unavailable: %s", err)
+    try:
         with open("/proc/meminfo", encoding="ascii") as fh:
             info["memory_gib"] = round(int(fh.readline().split()[1]) / (1 << 20), 1)
     except OSError:
@@ -82,6 +91,8 @@ def summarize(component: dict[str, Any]) -> list[dict[str, Any]]:
             ceiling = static.get(spec.precision) if spec.kind != "eager" else None
             if ceiling:
                 row["vs_static"] = ceiling["median"] / stats["median"]
+        cpu = record.get("cpu_times")
+        row["cpu_median"] = statistics.median(cpu) if cpu else None
         for key in ("cold_first_call_seconds", "warm_first_call_seconds", "peak_rss_bytes", "rel_l2_vs_eager",
                     "finite"):
             row[key] = record.get(key)
@@ -101,9 +112,9 @@ def component_table(name: str, component: dict[str, Any]) -> str:
     """The markdown table of one component."""
     lines = [f"### {name}: {component['description']}", "",
              f"Inputs: {', '.join('x'.join(map(str, s)) or 'scalar' for s in component['input_shapes'])}", "",
-             "| variant | median s/call | min | max | vs eager | vs static | cold first call s "
+             "| variant | median s/call | min | max | CPU s/call | vs eager | vs static | cold first call s "
              "| warm-cache first call s | peak RSS GiB | rel. L2 vs eager |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in summarize(component):
         stats = row["stats"] or {}
         rss = row["peak_rss_bytes"] / GIB if row["peak_rss_bytes"] else None
@@ -111,7 +122,8 @@ def component_table(name: str, component: dict[str, Any]) -> str:
         failed = " (failed: see JSON)" if row["errors"] and not stats else ""
         lines.append(
             f"| {row['variant']}{failed} | {_num(stats.get('median'), '{:.3f}')} | {_num(stats.get('min'), '{:.3f}')} "
-            f"| {_num(stats.get('max'), '{:.3f}')} | {_ratio(row.get('vs_eager'))} | {_ratio(row.get('vs_static'))} "
+            f"| {_num(stats.get('max'), '{:.3f}')} | {_num(row['cpu_median'], '{:.2f}')} "
+            f"| {_ratio(row.get('vs_eager'))} | {_ratio(row.get('vs_static'))} "
             f"| {_num(row['cold_first_call_seconds'], '{:.1f}')} | {_num(row['warm_first_call_seconds'], '{:.1f}')} "
             f"| {_num(rss)} | {_num(l2, '{:.1e}')} |")
     loads = component.get("load_average_per_round") or []
@@ -124,7 +136,9 @@ def resolutions_table(result: dict[str, Any]) -> str:
     """The markdown table of the new-shape measurement."""
     if "error" in result:
         return f"### New resolutions\n\nFailed: {result['error'].splitlines()[-1]}"
-    lines = [f"### New resolutions: {result['component']} through ov_backend ({result['precision']}), one process",
+    how = "torch.compile(dynamic=True)" if result.get("dynamic") else "torch.compile default (dynamic=None)"
+    lines = [f"### New resolutions: {result['component']} through ov_backend ({result['precision']}, {how}), "
+             "one process, caching off",
              "", "| call order | latent | image | first call s | second call s |", "|---|---|---|---|---|"]
     for number, rec in enumerate(result["records"], 1):
         lines.append(f"| {number} | {rec['latent'][0]}x{rec['latent'][1]} | {rec['image'][0]}x{rec['image'][1]} "
@@ -168,11 +182,14 @@ def markdown(results: dict[str, Any]) -> str:
              f"({m.get('Core(s) per socket', '?')} cores per socket x {m.get('Socket(s)', '?')} socket, "
              f"{m.get('Thread(s) per core', '?')} thread per core), {m.get('memory_gib', '?')} GiB; "
              f"{m.get('Flags', '')}; " + ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items()) + ".", "",
-             f"Command: `{results['command']}` ({results['wall_seconds'] / 60:.1f} min).", "",
+             f"Command: `{results['command']}` ({results['wall_seconds'] / 60:.1f} min), "
+             f"at commit {m.get('git_commit', '?')}.", "",
              "Per-call times are medians of the interleaved rounds (min and max beside); ratios are speed "
              "ratios (higher is faster): vs eager against PyTorch eager fp32 in the same rounds, vs static "
              "against the static OpenVINO model at the same precision. \"auto\" lets the CPU plugin choose "
-             "the inference precision (bf16 on this CPU); peak RSS is each variant's own process, its "
+             "the inference precision (bf16 on this CPU); CPU s/call is the median CPU time of the worker "
+             "process per call, all threads (less sensitive than wall time to other processes on the cores, "
+             "though spinning threads count); peak RSS is each variant's own process, its "
              "PyTorch weights included (mapped from one file shared by all processes).", ""]
     if results.get("note"):
         lines += [results["note"], ""]

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,8 @@ class _ComponentRun:
         inputs = models.example_inputs(name, settings.quick, settings.size)
         self.inputs_path = models.save_inputs(inputs, work / "inputs" / f"{name}-{settings.size}.pt")
         self.input_shapes = [list(t.shape) for t in inputs]
+        # a kept work dir must not make the cold first call warm
+        shutil.rmtree(work / "cache" / name, ignore_errors=True)
         self.results: dict[str, dict[str, Any]] = {v: {"times": [], "errors": []} for v in settings.variants}
         self.rounds_load: list[float] = []
 
@@ -104,14 +106,15 @@ class _ComponentRun:
         self.rounds_load.append(os.getloadavg()[0])
         for variant in order:
             try:
-                seconds = live[variant].ask("run", None, self.settings.call_timeout)
+                seconds, cpu = live[variant].ask("run", None, self.settings.call_timeout)
             except WorkerError as err:
                 logger.error("%s", err)
                 self.results[variant]["errors"].append(str(err))
                 continue
             self.results[variant]["times"].append(seconds)
+            self.results[variant].setdefault("cpu_times", []).append(cpu)
             self.results[variant].setdefault("times_by_group", {}).setdefault(group, []).append(seconds)
-            logger.info("%s round %d %s: %.3f s", self.name, round_index + 1, variant, seconds)
+            logger.info("%s round %d %s: %.3f s (CPU %.3f s)", self.name, round_index + 1, variant, seconds, cpu)
 
     def _warm(self, variant: str) -> None:
         worker, ready = self._start(variant, "warm cache")
@@ -143,7 +146,8 @@ class _ComponentRun:
                 live[variant] = worker
                 record = self.results[variant]
                 record.update(cold_first_call_seconds=ready["first_call_seconds"],
-                              load_seconds=ready["load_seconds"], info=dict(ready["info"]))
+                              load_seconds=ready["load_seconds"], info=dict(ready["info"]),
+                              resident_after_first_call=ready["resident_after_first_call"])
                 if variant == "eager":
                     eager = worker
             for round_index in range(self.settings.rounds):
@@ -187,7 +191,7 @@ def run_resolutions(settings: BenchSettings, work: Path) -> dict[str, Any]:
     name = "sdxl_unet" if "sdxl_unet" in settings.components and "unet" not in settings.components else "unet"
     weights = models.ensure_weights(name, settings.quick, work / "weights")
     task = ResolutionsTask(name, settings.quick, weights, settings.resolutions, "auto", work / "cache" / "resolutions",
-                           settings.log_level)
+                           settings.resolutions_dynamic, settings.log_level)
     worker = Worker(resolutions_main, task, f"{name} resolutions")
     try:
         result = worker.receive(settings.call_timeout * max(1, len(settings.resolutions)))
@@ -196,7 +200,7 @@ def run_resolutions(settings: BenchSettings, work: Path) -> dict[str, Any]:
         return {"component": name, "error": str(err)}
     finally:
         worker.close()
-    return {"component": name, "precision": "auto", **result}
+    return {"component": name, "precision": "auto", "dynamic": settings.resolutions_dynamic, **result}
 
 
 def run_image(settings: BenchSettings, work: Path) -> dict[str, Any]:
@@ -215,18 +219,34 @@ def run_image(settings: BenchSettings, work: Path) -> dict[str, Any]:
         worker.close()
 
 
-def run(settings: BenchSettings, sections: Sequence[str] = ("components", "resolutions", "image")) -> dict[str, Any]:
-    """Run the benchmark; returns the raw results (see :mod:`bench.report` for the summary)."""
+def run(settings: BenchSettings, sections: Sequence[str] = ("components", "resolutions", "image"),
+        progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the raw results (see :mod:`bench.report` for the summary).
+
+    Args:
+        settings: what to measure.
+        sections: any of "components", "resolutions", "image".
+        progress: called with the results so far after each component and section (the CLI
+            writes the files then, so a long run that fails late keeps what it measured).
+    """
     start = time.perf_counter()
     results: dict[str, Any] = {"components": {}}
+
+    def done() -> None:
+        results["wall_seconds"] = time.perf_counter() - start
+        if progress is not None:
+            progress(results)
+
     with _work_dir(settings) as work:
         if "components" in sections:
             for name in settings.components:
                 logger.info("component %s", name)
                 results["components"][name] = _ComponentRun(settings, name, work).run()
+                done()
         if "resolutions" in sections and settings.resolutions:
             results["resolutions"] = run_resolutions(settings, work)
+            done()
         if "image" in sections and settings.image_steps:
             results["image"] = run_image(settings, work)
-    results["wall_seconds"] = time.perf_counter() - start
+    done()
     return results

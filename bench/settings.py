@@ -44,6 +44,8 @@ class BenchSettings:
             (eager stays for every group); needed for full-size models in 24 GiB.
         resolutions: latent (height, width) sizes for the new-shape measurement of the UNet
             through ov_backend; empty to skip it.
+        resolutions_dynamic: compile the UNet of the new-shape measurement with
+            ``torch.compile(dynamic=True)`` (every dimension symbolic from the first call).
         image_steps: sampler steps of the whole-image split; 0 to skip it.
         image_precision: precision of the whole-image split.
         call_timeout: seconds a worker may take for one answer (a cold conversion included).
@@ -60,6 +62,7 @@ class BenchSettings:
     warm: bool = True
     group_by_precision: bool = True
     resolutions: tuple[tuple[int, int], ...] = DEFAULT_RESOLUTIONS
+    resolutions_dynamic: bool = False
     image_steps: int = 20
     image_precision: str = "auto"
     call_timeout: float = 3600.0

@@ -130,12 +130,13 @@ def _stock(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching:
     return Prepared(lambda *inputs: _first_tensor(compiled(*inputs)), {"options": options}, finish)
 
 
-def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching: bool) -> Prepared:
+def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching: bool,
+                dynamic: bool | None) -> Prepared:
     from ov_backend import OVBackend
 
     backend = OVBackend({"device": "CPU", "model_caching": caching, "cache_dir": str(cache_dir),
                          "config": spec.config})
-    compiled = torch.compile(module, backend=backend)
+    compiled = torch.compile(module, backend=backend, dynamic=dynamic)
 
     def finish() -> dict[str, Any]:
         return {"reports": [r.summary() for r in backend.reports], "stats": backend.stats(),
@@ -147,7 +148,8 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
 def _static(module: torch.nn.Module, spec: VariantSpec, inputs: Sequence[torch.Tensor]) -> Prepared:
     import openvino as ov
 
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # convert_model traces with TorchScript
         model = ov.convert_model(module, example_input=tuple(inputs))
     compiled = ov.Core().compile_model(model, "CPU", spec.config)
     del model
@@ -166,7 +168,7 @@ def _static(module: torch.nn.Module, spec: VariantSpec, inputs: Sequence[torch.T
 
 
 def prepare(spec: VariantSpec, module: torch.nn.Module, inputs: Sequence[torch.Tensor], cache_dir: Path,
-            caching: bool = True) -> Prepared:
+            caching: bool = True, dynamic: bool | None = None) -> Prepared:
     """Turn ``module`` into the variant's callable (lazily compiled ones compile on first call).
 
     Args:
@@ -175,11 +177,13 @@ def prepare(spec: VariantSpec, module: torch.nn.Module, inputs: Sequence[torch.T
         inputs: example inputs (the static variant converts for exactly these shapes).
         cache_dir: disk cache folder of the cacheable kinds.
         caching: store/reuse converted models in ``cache_dir`` (cacheable kinds only).
+        dynamic: ``torch.compile``'s ``dynamic`` for ov_backend (None: dynamo's default, static
+            first and dynamic from the second shape; True: every dimension symbolic from the start).
     """
     if spec.kind == "eager":
         return _eager(module)
     if spec.kind == "stock":
         return _stock(module, spec, cache_dir, caching)
     if spec.kind == "ov_backend":
-        return _ov_backend(module, spec, cache_dir, caching)
+        return _ov_backend(module, spec, cache_dir, caching, dynamic)
     return _static(module, spec, inputs)

@@ -2,7 +2,8 @@
 
 A worker maps the component's weights, prepares its variant, times the first call (cold:
 conversion and compile included, or warm when the disk cache is already filled) and then
-serves the coordinator's requests over a pipe: ``run`` (one timed call), ``output`` (save
+serves the coordinator's requests over a pipe: ``run`` (one timed call: wall and CPU
+seconds of the process, all its threads), ``output`` (save
 the last output for the L2 comparison) and ``quit`` (answers with the process's peak RSS).
 Workers are forked from a ``forkserver`` that imported the heavy libraries once
 (:data:`PRELOAD`) and did nothing else, so each worker is a clean process whose
@@ -14,6 +15,8 @@ input shape through ov_backend) and the whole-image split (:mod:`bench.image`).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import multiprocessing
 import os
@@ -71,6 +74,29 @@ def peak_rss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def resident_bytes() -> dict[str, int]:
+    """Current VmRSS and its anonymous and file-backed parts (Linux; empty elsewhere)."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile"):
+                    found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return found
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise), so idle workers stay small."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _configure_logging(level: int) -> None:
     logging.basicConfig(level=level, format=f"[worker {os.getpid()}] %(levelname)s %(name)s: %(message)s")
 
@@ -99,8 +125,10 @@ def variant_main(task: WorkerTask, conn: Connection) -> None:
             del module  # the compiled model holds its own weights; the static route needs no PyTorch module
         first, out = _timed(prepared.call, inputs)
         first_call = time.perf_counter() - start
+        release_free_memory()
         conn.send(("ready", {"load_seconds": load_seconds, "first_call_seconds": first_call,
-                             "first_infer_seconds": first, "info": prepared.info}))
+                             "first_infer_seconds": first, "info": prepared.info,
+                             "resident_after_first_call": resident_bytes()}))
     except Exception:  # report any failure to the coordinator instead of dying silently
         conn.send(("error", traceback.format_exc()))
         return
@@ -108,8 +136,9 @@ def variant_main(task: WorkerTask, conn: Connection) -> None:
         command, arg = conn.recv()
         try:
             if command == "run":
+                cpu = time.process_time()
                 seconds, out = _timed(prepared.call, inputs)
-                conn.send(("ok", seconds))
+                conn.send(("ok", (seconds, time.process_time() - cpu)))
             elif command == "output":
                 torch.save(out.detach().clone(), arg)
                 conn.send(("ok", {"finite": bool(torch.isfinite(out).all()), "shape": list(out.shape),
@@ -189,6 +218,8 @@ class ResolutionsTask:
         latents: (height, width) latent sizes, in call order.
         precision: "auto" or "f32".
         cache_dir: the backend's cache folder (caching stays off: every shape is cold).
+        dynamic: compile with ``torch.compile(dynamic=True)`` (every dimension symbolic from the
+            first call) instead of dynamo's default (static first, dynamic from the second shape).
         log_level: logging level of the worker.
     """
 
@@ -198,6 +229,7 @@ class ResolutionsTask:
     latents: tuple[tuple[int, int], ...]
     precision: str
     cache_dir: Path
+    dynamic: bool = False
     log_level: int = logging.WARNING
 
 
@@ -209,7 +241,8 @@ def resolutions_main(task: ResolutionsTask, conn: Connection) -> None:
 
         module = models.load_module(task.component, task.quick, task.weights)
         spec = variants.VariantSpec("ov_backend", task.precision)
-        prepared = variants.prepare(spec, module, (), task.cache_dir, caching=False)
+        prepared = variants.prepare(spec, module, (), task.cache_dir, caching=False,
+                                    dynamic=True if task.dynamic else None)
         base = models.example_inputs(task.component, task.quick, 64)
         records = []
         for height, width in task.latents:
