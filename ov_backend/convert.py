@@ -90,6 +90,35 @@ def _inline_constants(parent: torch.fx.GraphModule, call: torch.fx.Node) -> None
     sub.recompile()
 
 
+def _order_inputs_as_graph(parent: torch.fx.GraphModule, call: torch.fx.Node) -> None:
+    """Give a partition fed only by graph inputs those inputs in the graph's own order.
+
+    The fuser orders a partition's inputs by first use; a whole-graph partition whose inputs are
+    the graph's inputs in order can then stand for the whole graph (and be cached as such).
+    """
+    order = {n: i for i, n in enumerate(n for n in parent.graph.nodes if n.op == "placeholder")}
+    args = list(call.args)
+    if call.kwargs or len(set(args)) != len(args) or not all(isinstance(a, torch.fx.Node) and a in order
+                                                             for a in args):
+        return
+    sub = parent.get_submodule(str(call.target))
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(args):
+        return
+    ranked = sorted(zip(args, placeholders), key=lambda pair: order[pair[0]])
+    anchor: torch.fx.Node | None = None
+    for _arg, ph in ranked:
+        if anchor is None:
+            head = next(iter(sub.graph.nodes))
+            if head is not ph:
+                head.prepend(ph)
+        else:
+            anchor.append(ph)
+        anchor = ph
+    call.args = tuple(arg for arg, _ph in ranked)
+    sub.recompile()
+
+
 def _get_attr(module: torch.nn.Module, target: str) -> Any:
     obj: Any = module
     for part in target.split("."):
@@ -112,6 +141,7 @@ def partition(gm: torch.fx.GraphModule, support: OpenVINOSupport) -> tuple[torch
     for node in list(fused.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("fused_"):
             _inline_constants(fused, node)
+            _order_inputs_as_graph(fused, node)
             names.append(str(node.target))
     fused.graph.eliminate_dead_code()
     fused.delete_all_unused_submodules()
