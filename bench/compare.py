@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import logging
 import re
 import statistics
@@ -171,11 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--perf-counts", action="store_true", help="per-op-type times from the CPU plugin")
     p.add_argument("--work-dir", default=None, help="weights and caches (default: a temporary folder)")
+    p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="ov-compare-"))
     size = args.size or (64 if args.quick else 512)
-    compare(args.component, args.precision, args.quick, size, args.rounds, work, args.perf_counts)
+    result = compare(args.component, args.precision, args.quick, size, args.rounds, work, args.perf_counts)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
     return 0
 
 

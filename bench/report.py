@@ -132,6 +132,23 @@ def component_table(name: str, component: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def short_report(text: str, keep: int = 4) -> str:
+    """A backend report line with long input signatures shortened to their tensors and a scalar count.
+
+    ``torch.compile(dynamic=True)`` turns hundreds of Python floats (norm epsilons, scales) into
+    graph inputs, and each is part of the signature.
+    """
+    head, sep, rest = text.partition(" (")
+    signature, sep2, tail = rest.partition("): ")
+    if not sep or not sep2:
+        return text
+    items = signature.split(", ")
+    if len(items) <= keep:
+        return text
+    tensors = [i for i in items if "[" in i]
+    return f"{head} ({', '.join(tensors)}, +{len(items) - len(tensors)} Python scalars): {tail}"
+
+
 def resolutions_table(result: dict[str, Any]) -> str:
     """The markdown table of the new-shape measurement."""
     if "error" in result:
@@ -145,7 +162,7 @@ def resolutions_table(result: dict[str, Any]) -> str:
                      f"| {rec['first_call_seconds']:.1f} | {rec['second_call_seconds']:.2f} |")
     reports = result.get("info", {}).get("reports", [])
     if reports:
-        lines += ["", "Backend reports:", ""] + [f"- {r}" for r in reports]
+        lines += ["", "Backend reports:", ""] + [f"- {short_report(r)}" for r in reports]
     return "\n".join(lines)
 
 
