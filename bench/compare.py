@@ -20,6 +20,7 @@ import collections
 import json
 import logging
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -104,6 +105,8 @@ def compare(component: str, precision: str, quick: bool, size: int, rounds: int,
         raise RuntimeError(f"expected one cached model (the whole graph), found {len(entries)}: "
                            f"{[e.description for e in entries]}")
     ovb_model = core.read_model(str(entries[0].path / "model.xml"))
+    ovb_model = ovb_model.clone()  # detached from the files: the cache folder is removed below
+    shutil.rmtree(cache_dir, ignore_errors=True)
 
     start = time.perf_counter()
     with torch.no_grad():
@@ -177,7 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="ov-compare-"))
     size = args.size or (64 if args.quick else 512)
-    result = compare(args.component, args.precision, args.quick, size, args.rounds, work, args.perf_counts)
+    try:
+        result = compare(args.component, args.precision, args.quick, size, args.rounds, work, args.perf_counts)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
     return 0
