@@ -66,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(str(err))
     header = {"command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else list(argv)),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": report.machine(), "note": args.note,
-              "settings": {k: str(v) for k, v in vars(config).items()}}
+              # folders are machine-specific and change no result: the command line shows them
+              "settings": {k: str(v) for k, v in vars(config).items() if k not in ("out", "work_dir")}}
     stem = args.name or ("bench-quick" if config.quick else "bench-full")
 
     def write(results: dict) -> None:
