@@ -149,15 +149,20 @@ def partition(gm: torch.fx.GraphModule, support: OpenVINOSupport) -> tuple[torch
     return fused, names
 
 
+def _conversion_error(what: str, err: OpConversionFailure) -> ConversionError:
+    """A ConversionError carrying the op names the frontend reported as having no conversion rule."""
+    found = _UNCONVERTED.search(str(err))
+    names = [n.strip() for n in found.group(1).split(",")] if found else []
+    return ConversionError(f"OpenVINO could not convert {what}: {str(err).strip()}", names)
+
+
 def _frontend_convert(decoder: TorchFXPythonDecoder) -> ov.Model:
     frontend = FrontEndManager().load_by_framework("pytorch")
     try:
         # keep ``decoder`` referenced until conversion ends: the frontend calls back into it
         return frontend.convert(frontend.load(decoder))
     except OpConversionFailure as err:
-        found = _UNCONVERTED.search(str(err))
-        names = [n.strip() for n in found.group(1).split(",")] if found else []
-        raise ConversionError(f"OpenVINO could not convert the graph: {str(err).strip()}", names) from err
+        raise _conversion_error("the graph", err) from err
     except (RuntimeError, TypeError, ValueError, KeyError) as err:
         raise ConversionError(f"OpenVINO could not convert the graph: {err}") from err
 
@@ -198,8 +203,6 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
     try:
         return ov.convert_model(program)
     except OpConversionFailure as err:
-        found = _UNCONVERTED.search(str(err))
-        names = [n.strip() for n in found.group(1).split(",")] if found else []
-        raise ConversionError(f"OpenVINO could not convert the exported graph: {err}", names) from err
+        raise _conversion_error("the exported graph", err) from err
     except Exception as err:  # the converter raises plain Exceptions for unsupported programs
         raise ConversionError(f"OpenVINO could not convert the exported graph: {err}") from err
