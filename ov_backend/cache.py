@@ -6,9 +6,11 @@ Layout under the cache folder::
     blobs/                                          OpenVINO's own CACHE_DIR (compiled blobs)
 
 An entry is written into a temporary folder and renamed into place, and ``meta.json`` (with
-the size and hash of every file) is written last, so a process killed mid-write leaves
+the size and a checksum of every file) is written last, so a process killed mid-write leaves
 nothing that is trusted later. An entry whose files do not match its ``meta.json`` is
-reported, removed and rebuilt. The modification time of ``meta.json`` is the entry's last
+reported, removed and rebuilt. Files up to 64 MiB are checksummed whole; larger ones (a full
+UNet's weights are 3.4 GB) by their size and 64 blocks of 1 MiB spread over the file, which
+catches truncation and overwritten regions without reading gigabytes at every start. The modification time of ``meta.json`` is the entry's last
 use; :meth:`ModelCache.prune` removes the least recently used entries first.
 """
 
@@ -31,10 +33,13 @@ import openvino as ov
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 _MODEL_FILES = ("model.xml", "model.bin")
 _META = "meta.json"
 _CHUNK = 16 << 20
+_WHOLE_FILE_LIMIT = 64 << 20
+_SAMPLE_BLOCKS = 64
+_SAMPLE_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,20 @@ def make_key(parts: Mapping[str, Any]) -> str:
 
 
 def _file_digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=20)
+    """sha256 of the whole file up to 64 MiB; above, of its size and 64 evenly spread 1 MiB blocks."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        if size <= _WHOLE_FILE_LIMIT:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        else:
+            h.update(f"sampled|{size}|".encode())
+            step = (size - _SAMPLE_BLOCK) // (_SAMPLE_BLOCKS - 1)
+            for index in range(_SAMPLE_BLOCKS):
+                f.seek(index * step)
+                h.update(f.read(_SAMPLE_BLOCK))
+    return h.hexdigest()[:40]
 
 
 def _dir_size(path: Path) -> int:
@@ -122,12 +136,13 @@ class ModelCache:
             size = path.stat().st_size
             if size != info.get("size"):
                 return f"{name} is {size} bytes, expected {info.get('size')} (truncated?)"
-            if _file_digest(path) != info.get("blake2b"):
+            if _file_digest(path) != info.get("checksum"):
                 return f"{name} does not match its checksum (corrupted)"
         return None
 
-    def load(self, key: str, core: ov.Core) -> ov.Model | None:
-        """The model stored under ``key``, or None when absent or untrustworthy (then removed)."""
+    def model_file(self, key: str) -> Path | None:
+        """The ``model.xml`` of the entry under ``key`` once its files are checked; None when absent
+        or untrustworthy (then removed). Marks the entry as used."""
         entry = self._entry_dir(key)
         if not entry.is_dir():
             return None
@@ -138,16 +153,22 @@ class ModelCache:
             shutil.rmtree(entry, ignore_errors=True)
             return None
         try:
-            model = core.read_model(str(entry / "model.xml"), str(entry / "model.bin"))
-        except RuntimeError as err:
-            logger.warning("OpenVINO cache entry %s could not be read (%s); removing it", entry, err)
-            shutil.rmtree(entry, ignore_errors=True)
-            return None
-        try:
             os.utime(entry / _META)
         except OSError:
             pass
-        return model
+        return entry / "model.xml"
+
+    def load(self, key: str, core: ov.Core) -> ov.Model | None:
+        """The model stored under ``key``, or None when absent or untrustworthy (then removed)."""
+        xml = self.model_file(key)
+        if xml is None:
+            return None
+        try:
+            return core.read_model(str(xml), str(xml.with_name("model.bin")))
+        except RuntimeError as err:
+            logger.warning("OpenVINO cache entry %s could not be read (%s); removing it", xml.parent, err)
+            shutil.rmtree(xml.parent, ignore_errors=True)
+            return None
 
     def store(self, key: str, model: ov.Model, description: str = "") -> Path | None:
         """Write ``model`` under ``key`` atomically; returns the entry, or None if writing failed.
@@ -163,7 +184,7 @@ class ModelCache:
             self.models_dir.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:8]}-{uuid.uuid4().hex[:6]}-", dir=self.models_dir))
             ov.serialize(model, str(tmp / "model.xml"), str(tmp / "model.bin"))
-            files = {name: {"size": (tmp / name).stat().st_size, "blake2b": _file_digest(tmp / name)}
+            files = {name: {"size": (tmp / name).stat().st_size, "checksum": _file_digest(tmp / name)}
                      for name in _MODEL_FILES}
             meta = {"format": CACHE_FORMAT, "key": key, "description": description,
                     "created": time.time(), "files": files}

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import openvino as ov
@@ -219,7 +220,7 @@ class CompiledGraph:
                 return self._by_weights[self._fingerprint]
             self._check_loaded(weight_values)
             start = time.perf_counter()
-            fp = weights.fingerprint(weight_values)
+            fp = weights.fingerprint(weight_values, self.backend.digests)
             if self._watch is not None:
                 logger.info("%s: weights changed (fingerprint %s, %.2fs); %s", self.name, fp[:12],
                             time.perf_counter() - start,
@@ -289,7 +290,7 @@ class CompiledGraph:
                                            convert_seconds=report.convert_seconds)
             self.backend.add_report(report)
 
-    def _compile(self, model: ov.Model, part: PartitionReport) -> ov.CompiledModel:
+    def _compile(self, model: ov.Model | Path, part: PartitionReport) -> ov.CompiledModel:
         start = time.perf_counter()
         compiled = self.backend.compile_model(model)
         part.compile_seconds = time.perf_counter() - start
@@ -429,13 +430,13 @@ class CompiledGraph:
 
     def _from_whole_graph_entry(self, key: str, report: CompileReport) -> _Variant | None:
         """A variant from a cached model of the whole graph, with no tracing at all; None if absent."""
-        model = self.backend.cache_load(key)
-        if model is None:
+        xml = self.backend.cache_file(key)
+        if xml is None:
             return None
         part = PartitionReport("graph", ops=sum(1 for n in self.gm.graph.nodes if n.op == "call_function"),
                                cache_hit=True)
         try:
-            compiled = self._compile(model, part)
+            compiled = self._compile(xml, part)
         except RuntimeError as err:
             logger.warning("%s: the cached model could not be compiled (%s); converting again", self.name, err)
             return None
@@ -455,9 +456,9 @@ class CompiledGraph:
         # hashing the constants costs time: only for the disk cache
         if key is None and self.backend.settings.model_caching:
             key = self._key("partition", name, {
-                "code": sub.code, "constants": weights.fingerprint(list(sub.buffers())),
+                "code": sub.code, "constants": weights.fingerprint(list(sub.buffers()), self.backend.digests),
                 "inputs": [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"]})
-        model = self.backend.cache_load(key) if key else None
+        model: ov.Model | Path | None = self.backend.cache_file(key) if key else None
         part.cache_hit = model is not None
         if model is None:
             start = time.perf_counter()
@@ -473,7 +474,8 @@ class CompiledGraph:
                 return err
             part.convert_seconds = time.perf_counter() - start
             if key:
-                self.backend.cache_store(key, model, f"{self.name} {name} {report.signature}")
+                # compiled from its cache file, OpenVINO's blob is found again by the next process
+                model = self.backend.cache_store(key, model, f"{self.name} {name} {report.signature}") or model
         try:
             compiled = self._compile(model, part)
         except RuntimeError as err:

@@ -61,9 +61,18 @@ def trace_static(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
     """Trace ``fn(*inputs)`` to an aten graph for exactly these input shapes.
 
     Tensors ``fn`` reaches through its closure (the weights) become constants of the graph.
+    The trace runs on fake tensors (shapes only, no arithmetic: a full SD UNet traces in
+    seconds instead of half a minute); a graph that needs real values while tracing (data-
+    dependent control flow) is traced again with real tensors.
     """
     with build_lock(), torch.no_grad():
-        return make_fx(fn, decomposition_table=decompositions, tracing_mode="real")(*inputs)
+        try:
+            return make_fx(fn, decomposition_table=decompositions, tracing_mode="fake",
+                           _allow_non_fake_inputs=True)(*inputs)
+        except Exception as err:  # fake tensors cannot answer data-dependent questions, among others
+            logger.info("fake-tensor tracing failed (%s: %s); tracing with real tensors",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            return make_fx(fn, decomposition_table=decompositions, tracing_mode="real")(*inputs)
 
 
 def _inline_constants(parent: torch.fx.GraphModule, call: torch.fx.Node) -> None:
