@@ -126,10 +126,44 @@ def component_table(name: str, component: dict[str, Any]) -> str:
             f"| {_ratio(row.get('vs_eager'))} | {_ratio(row.get('vs_static'))} "
             f"| {_num(row['cold_first_call_seconds'], '{:.1f}')} | {_num(row['warm_first_call_seconds'], '{:.1f}')} "
             f"| {_num(rss)} | {_num(l2, '{:.1e}')} |")
+    split = first_call_split_table(component)
+    if split:
+        lines += ["", split]
     loads = component.get("load_average_per_round") or []
     if loads:
         lines += ["", f"1-minute load average at the start of each round: {', '.join(f'{x:.1f}' for x in loads)}"]
     return "\n".join(lines)
+
+
+def first_call_split_table(component: dict[str, Any]) -> str:
+    """Where ov_backend's first calls went, cold and with a warm cache; "" when not measured.
+
+    The cache can only remove the build (tracing, conversion, compiling); dynamo's capture and
+    the first inference are paid by every process.
+    """
+    rows = []
+    for name, record in component["variants"].items():
+        cold, warm = record.get("cold_first_call_split"), record.get("warm_first_call_split")
+        for label, split, total in (("cold", cold, record.get("cold_first_call_seconds")),
+                                    ("warm cache", warm, record.get("warm_first_call_seconds"))):
+            if split and total:
+                rows.append(f"| {name} | {label} | {total:.1f} | {split['capture']:.1f} | {split['build']:.1f} "
+                            f"| {split['trace']:.1f} | {split['convert']:.1f} | {split['ov_compile']:.1f} "
+                            f"| {split['run']:.1f} |")
+        if cold and warm and cold["build"] > 0:
+            whole = _ratio_of(record.get("warm_first_call_seconds"), record.get("cold_first_call_seconds"))
+            rows.append(f"| {name} | warm/cold | {whole} | | {warm['build'] / cold['build']:.2f} | | | | |")
+    if not rows:
+        return ""
+    return "\n".join(["First calls of ov_backend, split (seconds): capture is dynamo reading the Python code "
+                      "(every process pays it); build is what the disk cache saves (trace, convert, OpenVINO "
+                      "compile, cache reads and writes, weight hashing); run is the first inference.", "",
+                      "| variant | process | first call | capture | build | trace | convert | OV compile | run |",
+                      "|---|---|---|---|---|---|---|---|---|", *rows])
+
+
+def _ratio_of(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "—"
 
 
 def short_report(text: str, keep: int = 4) -> str:

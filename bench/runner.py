@@ -122,6 +122,8 @@ class _ComponentRun:
             return
         record = self.results[variant]
         record["warm_first_call_seconds"] = ready["first_call_seconds"]
+        if ready.get("first_call_split"):
+            record["warm_first_call_split"] = ready["first_call_split"]
         try:
             done = worker.ask("quit", None, self.settings.call_timeout)
             record["warm_peak_rss_bytes"] = done["peak_rss_bytes"]
@@ -148,6 +150,8 @@ class _ComponentRun:
                 record.update(cold_first_call_seconds=ready["first_call_seconds"],
                               load_seconds=ready["load_seconds"], info=dict(ready["info"]),
                               resident_after_first_call=ready["resident_after_first_call"])
+                if ready.get("first_call_split"):
+                    record["cold_first_call_split"] = ready["first_call_split"]
                 if variant == "eager":
                     eager = worker
             for round_index in range(self.settings.rounds):

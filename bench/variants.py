@@ -81,11 +81,14 @@ class Prepared:
         call: ``call(*inputs) -> tensor``.
         info: facts for the results (partitions, fallbacks, the precision the plugin chose).
         finish: collects the facts only known after calls (the backend's reports), or None.
+        split: after the first call, the seconds it spent building models and running them
+            (ov_backend only; the rest of the first call is dynamo capturing the graph), or None.
     """
 
     call: Callable[..., torch.Tensor]
     info: dict[str, Any] = field(default_factory=dict)
     finish: Callable[[], dict[str, Any]] | None = None
+    split: Callable[[], dict[str, float]] | None = None
 
 
 def _first_tensor(out: Any) -> torch.Tensor:
@@ -142,7 +145,13 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
         return {"reports": [r.summary() for r in backend.reports], "stats": backend.stats(),
                 "fully_in_openvino": all(r.fully_in_openvino for r in backend.reports)}
 
-    return Prepared(lambda *inputs: _first_tensor(compiled(*inputs)), {}, finish)
+    def split() -> dict[str, float]:
+        stats = backend.stats()
+        return {"build": stats["compile_seconds"], "trace": stats["trace_seconds"],
+                "convert": stats["convert_seconds"], "ov_compile": stats["ov_compile_seconds"],
+                "run": stats["run_seconds"], "cache_hits": stats["cache_hits"]}
+
+    return Prepared(lambda *inputs: _first_tensor(compiled(*inputs)), {}, finish, split)
 
 
 def _static(module: torch.nn.Module, spec: VariantSpec, inputs: Sequence[torch.Tensor]) -> Prepared:

@@ -126,8 +126,11 @@ def variant_main(task: WorkerTask, conn: Connection) -> None:
         first, out = _timed(prepared.call, inputs)
         first_call = time.perf_counter() - start
         release_free_memory()
+        split = prepared.split() if prepared.split is not None else None
+        if split is not None:  # what is neither building nor running is dynamo capturing the graph
+            split["capture"] = max(0.0, first_call - split["build"] - split["run"])
         conn.send(("ready", {"load_seconds": load_seconds, "first_call_seconds": first_call,
-                             "first_infer_seconds": first, "info": prepared.info,
+                             "first_call_split": split, "first_infer_seconds": first, "info": prepared.info,
                              "resident_after_first_call": resident_bytes()}))
     except Exception:  # report any failure to the coordinator instead of dying silently
         conn.send(("error", traceback.format_exc()))

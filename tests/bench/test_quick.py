@@ -38,6 +38,11 @@ def test_quick_run_measures_every_variant(tmp_path):
         if name.startswith(("stock/", "ov_backend/")):
             assert record["warm_first_call_seconds"] > 0, name
         assert f"| {name} |" in table, name
+    for name in ("ov_backend/auto", "ov_backend/f32"):
+        cold, warm = variants[name]["cold_first_call_split"], variants[name]["warm_first_call_split"]
+        assert cold["build"] > 0 and cold["convert"] > 0 and cold["run"] > 0, name
+        assert warm["cache_hits"] >= 1 and warm["convert"] == 0 and warm["trace"] == 0, name
+        assert f"| {name} | warm cache |" in table
     # f32 inference on OpenVINO matches eager fp32 closely; bf16 ("auto") only roughly
     assert variants["ov_backend/f32"]["rel_l2_vs_eager"] < 1e-4
     assert variants["ov_backend/auto"]["rel_l2_vs_eager"] < 0.1
