@@ -43,10 +43,10 @@ def _child(cache_dir: Path, seed: int) -> dict:
 def test_second_process_loads_from_cache(tmp_path):
     first = _child(tmp_path, seed=0)
     second = _child(tmp_path, seed=0)
-    assert first["hit"] is False and first["convert"] > 0
-    assert second["hit"] is True and second["convert"] == 0
-    assert second["trace"] == 0  # a graph that is one partition is found without tracing it
-    assert second["diff"] < F32_ATOL
+    assert first["hit"] is False and first["convert"] > 0, first
+    assert second["hit"] is True and second["convert"] == 0, second
+    assert second["trace"] == 0, second  # a graph that is one partition is found without tracing it
+    assert second["diff"] < F32_ATOL, second
     entries = ModelCache(tmp_path).entries()
     assert any(not e.key.startswith("blobs/") for e in entries)
 
