@@ -85,9 +85,11 @@ def backend_api() -> Any:
 
 @pytest.fixture
 def extension(fake_host: SimpleNamespace, backend_api: Any) -> Any:
+    from ov_accelerate_webui import Loaded
     from ov_accelerate_webui.extension import Extension
 
     ext = Extension(load_api=lambda: backend_api)
+    Loaded(extension=ext, script_class=object).register_callbacks()  # model_loaded, cfg_denoiser, as A1111
     yield ext
     ext.unload()
 

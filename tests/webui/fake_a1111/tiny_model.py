@@ -7,17 +7,20 @@
   ldm's ``FrozenOpenCLIPEmbedder``).
 * :class:`TinySDXL`: SDXL (sgm ``DiffusionEngine``): ``conditioner.embedders`` = [CLIP-L, OpenCLIP-bigG,
   3 size embedders], UNet forward with ``y``.
+* :class:`TinySD1Inpainting`: an SD1 inpainting checkpoint: ``model.conditioning_key == "hybrid"`` and a
+  UNet with 9 input channels (latent + mask + masked-image latent, concatenated by ``DiffusionWrapper``).
 The UNet and VAE of SD1 and SD2 come from the same seeded builders (same weights for the same seed).
+Models are built as the checkpoint defines them; ``sd_models.load_model`` applies A1111's hijack (the
+chunking text encoder wrappers, ``EmbeddingsWithFixes``), as A1111 does after loading.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
-from modules.sd_hijack_clip import FrozenCLIPEmbedderForSDXLWithCustomWords, FrozenCLIPEmbedderWithCustomWords
-from modules.sd_hijack_open_clip import FrozenOpenCLIPEmbedder2WithCustomWords, FrozenOpenCLIPEmbedderWithCustomWords
 from tiny_open_clip import CLIPText, FrozenOpenCLIPEmbedder, FrozenOpenCLIPEmbedder2
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel
@@ -29,12 +32,12 @@ SIZE_EMBED = 8  # SDXL size embedders' outdim (256 in SDXL)
 POOLED = 16
 
 
-def build_unet(seed: int, y_dim: int | None = None) -> UNet2DConditionModel:
+def build_unet(seed: int, y_dim: int | None = None, in_channels: int = 4) -> UNet2DConditionModel:
     torch.manual_seed(seed)
     extra = {"class_embed_type": "projection", "projection_class_embeddings_input_dim": y_dim} if y_dim else {}
     return UNet2DConditionModel(
         sample_size=8,
-        in_channels=4,
+        in_channels=in_channels,
         out_channels=4,
         layers_per_block=1,
         block_out_channels=(16, 32),
@@ -104,13 +107,19 @@ class LdmUNet(nn.Module):
 
 
 class DiffusionWrapper(nn.Module):
-    """ldm's DiffusionWrapper (crossattn conditioning)."""
+    """ldm's DiffusionWrapper: "crossattn" conditioning, or "hybrid" (inpainting: ``c_concat`` is
+    concatenated to the latent along the channels, ``c_crossattn`` is the context)."""
 
-    def __init__(self, unet: LdmUNet) -> None:
+    def __init__(self, unet: LdmUNet, conditioning_key: str = "crossattn") -> None:
         super().__init__()
         self.diffusion_model = unet
+        self.conditioning_key = conditioning_key
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, c_crossattn: list) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, t: torch.Tensor, c_concat: list | None = None, c_crossattn: list | None = None
+    ) -> torch.Tensor:
+        if self.conditioning_key == "hybrid":
+            x = torch.cat([x, *c_concat], dim=1)
         return self.diffusion_model(x, t, context=torch.cat(c_crossattn, 1))
 
 
@@ -120,6 +129,7 @@ class OpenAIWrapper(nn.Module):
     def __init__(self, unet: LdmUNet) -> None:
         super().__init__()
         self.diffusion_model = unet
+        self.conditioning_key = "crossattn"
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
         return self.diffusion_model(x, timesteps=t, context=c.get("crossattn"), y=c.get("vector"))
@@ -163,21 +173,29 @@ class _Ldm(nn.Module):
     """What SD1 and SD2 share: ``LatentDiffusion``'s methods A1111 calls."""
 
     scale_factor = 0.18215
+    conditioning_key = "crossattn"
+    in_channels = 4
 
     def __init__(self, seed: int, cond_stage_model: nn.Module) -> None:
         super().__init__()
-        self.model = DiffusionWrapper(LdmUNet(build_unet(seed)))
+        self.seed = seed
+        unet = LdmUNet(build_unet(seed, in_channels=self.in_channels))
+        self.model = DiffusionWrapper(unet, self.conditioning_key)
         self.first_stage_model = FirstStage(build_vae(seed))
         self.cond_stage_model = cond_stage_model
+        self.cond_stage_key = "txt"
         self.is_sd1, self.is_sd2, self.is_sdxl = False, False, False
         self.sd_checkpoint_info = None
         self.sd_model_hash = None
+        self.sd_model_checkpoint = None
 
     def get_learned_conditioning(self, prompts: list[str]) -> torch.Tensor:
         return self.cond_stage_model(prompts)
 
-    def apply_model(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        return self.model(x, t, c_crossattn=[cond])
+    def apply_model(self, x: torch.Tensor, t: torch.Tensor, cond: Any) -> torch.Tensor:
+        if not isinstance(cond, dict):
+            cond = {"c_crossattn": [cond]}
+        return self.model(x, t, **cond)
 
     def decode_first_stage(self, z: torch.Tensor) -> torch.Tensor:
         return self.first_stage_model.decode(z / self.scale_factor)
@@ -193,18 +211,23 @@ class TinyLatentDiffusion(_Ldm):
     """SD1 as A1111 has it loaded."""
 
     def __init__(self, seed: int = 0) -> None:
-        te = FrozenCLIPEmbedderWithCustomWords(FrozenCLIPEmbedder(build_clip(seed, CONTEXT_DIM)))
-        super().__init__(seed, te)
+        super().__init__(seed, FrozenCLIPEmbedder(build_clip(seed, CONTEXT_DIM)))
         self.is_sd1 = True
         self.eval()
+
+
+class TinySD1Inpainting(TinyLatentDiffusion):
+    """An SD1 inpainting checkpoint as A1111 has it loaded (``sd-v1-5-inpainting``'s layout)."""
+
+    conditioning_key = "hybrid"
+    in_channels = 9
 
 
 class TinySD2(_Ldm):
     """SD2 as A1111 has it loaded: open_clip text encoder (penultimate layer)."""
 
     def __init__(self, seed: int = 0) -> None:
-        te = FrozenOpenCLIPEmbedderWithCustomWords(FrozenOpenCLIPEmbedder(build_open_clip(seed, CONTEXT_DIM)))
-        super().__init__(seed, te)
+        super().__init__(seed, FrozenOpenCLIPEmbedder(build_open_clip(seed, CONTEXT_DIM)))
         self.is_sd2 = True
         self.eval()
 
@@ -257,19 +280,17 @@ class TinySDXL(nn.Module):
         clip_l = FrozenCLIPEmbedder(build_clip(seed, CONTEXT_DIM // 2), layer="hidden", layer_idx=1)
         clip_g = FrozenOpenCLIPEmbedder2(build_open_clip(seed, CONTEXT_DIM // 2))
         sizes = ("original_size_as_tuple", "crop_coords_top_left", "target_size_as_tuple")
+        self.seed = seed
         self.conditioner = GeneralConditioner(
-            [
-                FrozenCLIPEmbedderForSDXLWithCustomWords(clip_l),
-                FrozenOpenCLIPEmbedder2WithCustomWords(clip_g),
-                *(ConcatTimestepEmbedderND(SIZE_EMBED, key) for key in sizes),
-            ]
+            [clip_l, clip_g, *(ConcatTimestepEmbedderND(SIZE_EMBED, key) for key in sizes)]
         )
-        self.cond_stage_model = self.conditioner
         self.model = OpenAIWrapper(LdmUNet(build_unet(seed, y_dim=POOLED + 3 * 2 * SIZE_EMBED)))
         self.first_stage_model = FirstStage(build_vae(seed))
+        self.cond_stage_key = "txt"
         self.is_sd1, self.is_sd2, self.is_sdxl = False, False, True
         self.sd_checkpoint_info = None
         self.sd_model_hash = None
+        self.sd_model_checkpoint = None
         self.eval()
 
     def get_learned_conditioning(self, batch: list[str], width: int = 1024, height: int = 1024) -> dict:
@@ -285,7 +306,11 @@ class TinySDXL(nn.Module):
         return self.conditioner(conds, force_zero_embeddings=["txt"] if zero else [])
 
     def apply_model(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        return self.model(x, t, cond)
+        # A1111's sd_models_xl.apply_model: c_concat only for 9-channel (inpainting) UNets
+        concat = cond.get("c_concat")
+        if self.model.diffusion_model.in_channels == 9:
+            x = torch.cat([x, *concat], dim=1)
+        return self.model(x, t, {k: v for k, v in cond.items() if k != "c_concat"})
 
     def decode_first_stage(self, z: torch.Tensor) -> torch.Tensor:
         return self.first_stage_model.decode(z / self.scale_factor)
@@ -297,4 +322,4 @@ class TinySDXL(nn.Module):
         return x
 
 
-MODELS = {"sd1": TinyLatentDiffusion, "sd2": TinySD2, "sdxl": TinySDXL}
+MODELS = {"sd1": TinyLatentDiffusion, "sd1-inpainting": TinySD1Inpainting, "sd2": TinySD2, "sdxl": TinySDXL}

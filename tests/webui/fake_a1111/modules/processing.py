@@ -10,6 +10,15 @@ model's text encoder, UNet and VAE the way A1111 v1.10.1's does:
   second pass at the new size, VAE decode at the new size;
 * img2img (``init``): the init image resized to width x height, repeated to the batch size, VAE-encoded
   once; sampling starts from it with the denoising strength;
+* inpainting (img2img with ``mask``, "original" fill, no blur, whole picture): the latent mask blends
+  the original latent into the prediction after each step and into the result; an inpainting
+  checkpoint (``model.conditioning_key`` "hybrid", 9-channel UNet) gets the mask and the VAE-encoded
+  masked image as ``c_concat``; the unmasked part of the result is pasted from the init image;
+* the refiner: ``refiner_checkpoint`` / ``refiner_switch_at`` switch the model mid-sampling
+  (``sd_samplers_common.apply_refiner`` -> ``sd_models.reload_model_weights``), after which the UNet,
+  the conds and the VAE decode come from the new ``shared.sd_model``; ``p.sd_model`` is
+  ``shared.sd_model``, and each batch starts with ``reload_model_weights()`` (back to the selected model);
+* live previews: ``store_latent`` after each step (``sd_samplers_common``);
 * one VAE decode per image (``decode_latent_batch``), infotext per image, batch count loop.
 """
 
@@ -21,9 +30,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
-from modules import script_callbacks, shared
+from modules import script_callbacks, sd_models, sd_samplers_common, shared
 
 OPT_F = 8
 
@@ -67,9 +76,14 @@ class StableDiffusionProcessing:
         do_not_save_grid: bool = False,
         override_settings: dict | None = None,
         denoising_strength: float = 0.75,
+        refiner_checkpoint: str | None = None,
+        refiner_switch_at: float | None = None,
         **kwargs: Any,
     ) -> None:
-        self.sd_model = sd_model
+        self.refiner_checkpoint, self.refiner_switch_at = refiner_checkpoint, refiner_switch_at
+        self.refiner_checkpoint_info = None
+        self.is_hr_pass = False
+        self.mask = self.nmask = self.init_latent = None
         self.outpath_samples = outpath_samples
         self.prompt, self.negative_prompt = prompt, negative_prompt
         self.seed, self.subseed, self.subseed_strength = seed, subseed, subseed_strength
@@ -89,6 +103,15 @@ class StableDiffusionProcessing:
         for key, value in kwargs.items():
             setattr(self, key, value)
 
+    @property
+    def sd_model(self) -> Any:
+        """As in A1111: always the loaded model (the refiner while it runs); the setter does nothing."""
+        return shared.sd_model
+
+    @sd_model.setter
+    def sd_model(self, value: Any) -> None:
+        pass
+
     def comment(self, text: str) -> None:
         self.comments[text] = 1
 
@@ -100,6 +123,48 @@ class StableDiffusionProcessing:
         if getattr(model, "is_sdxl", False):
             return model.get_learned_conditioning(batch, width=width, height=height)
         return model.get_learned_conditioning(batch)
+
+    def setup_conds(self) -> None:
+        """The conds of the current batch with the loaded model (again after a refiner switch)."""
+        model = shared.sd_model
+        if self.is_hr_pass:
+            width, height = self.hr_upscale_to_x, self.hr_upscale_to_y
+            self.hr_c = self.conds(model, self.prompts, False, width, height)
+            self.hr_uc = self.conds(model, self.negative_prompts, True, width, height)
+            return
+        self.c = self.conds(model, self.prompts, False, self.width, self.height)
+        self.uc = self.conds(model, self.negative_prompts, True, self.width, self.height)
+
+    def get_conds(self) -> tuple[Any, Any]:
+        return (self.hr_c, self.hr_uc) if self.is_hr_pass else (self.c, self.uc)
+
+    def txt2img_image_conditioning(self, x: torch.Tensor, width: int = 0, height: int = 0) -> torch.Tensor:
+        model = shared.sd_model
+        if model.model.conditioning_key in {"hybrid", "concat"}:  # inpainting models: all masked
+            image = torch.zeros(x.shape[0], 3, height or self.height, width or self.width)
+            conditioning = model.get_first_stage_encoding(model.encode_first_stage(image * 2 - 1))
+            return torch.nn.functional.pad(conditioning, (0, 0, 0, 0, 1, 0), value=1.0)
+        return x.new_zeros(x.shape[0], 5, 1, 1)
+
+    def inpainting_image_conditioning(self, source_image: torch.Tensor, latent_image: torch.Tensor, image_mask: Any):
+        """The mask and the VAE-encoded masked image, concatenated: ``c_concat`` of an inpainting UNet."""
+        model = shared.sd_model
+        if image_mask is not None:
+            conditioning_mask = np.array(image_mask.convert("L")).astype(np.float32) / 255.0
+            conditioning_mask = torch.round(torch.from_numpy(conditioning_mask[None, None]))
+        else:
+            conditioning_mask = source_image.new_ones(1, 1, *source_image.shape[-2:])
+        weight = shared.opts.inpainting_mask_weight
+        conditioning_image = torch.lerp(source_image, source_image * (1.0 - conditioning_mask), weight)
+        conditioning_image = model.get_first_stage_encoding(model.encode_first_stage(conditioning_image))
+        conditioning_mask = torch.nn.functional.interpolate(conditioning_mask, size=latent_image.shape[-2:])
+        conditioning_mask = conditioning_mask.expand(conditioning_image.shape[0], -1, -1, -1)
+        return torch.cat([conditioning_mask, conditioning_image], dim=1)
+
+    def img2img_image_conditioning(self, source_image: torch.Tensor, latent_image: torch.Tensor, image_mask: Any):
+        if shared.sd_model.model.conditioning_key in {"hybrid", "concat"}:
+            return self.inpainting_image_conditioning(source_image, latent_image, image_mask)
+        return latent_image.new_zeros(latent_image.shape[0], 5, 1, 1)
 
     def sample(self, model: Any, seeds: list[int]) -> Any:
         raise NotImplementedError
@@ -120,7 +185,7 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         self.enable_hr, self.hr_scale, self.hr_upscaler = enable_hr, hr_scale, hr_upscaler
         self.hr_second_pass_steps, self.hr_resize_x, self.hr_resize_y = hr_second_pass_steps, hr_resize_x, hr_resize_y
         self.hr_upscale_to_x = self.hr_upscale_to_y = 0
-        self.is_hr_pass = False
+        self.hr_c = self.hr_uc = None
 
     def init(self, all_seeds: list[int]) -> None:
         if not self.enable_hr:
@@ -139,10 +204,11 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
 
     def sample(self, model: Any, seeds: list[int]) -> Any:
         shape = (4, self.height // OPT_F, self.width // OPT_F)
-        samples = denoise(self, model, noise(seeds, shape), self.c, self.uc, self.steps, 1.0)
+        x = noise(seeds, shape)
+        samples = denoise(self, x, self.steps, 1.0, self.txt2img_image_conditioning(x))
         if not self.enable_hr:
             return samples
-        return self.sample_hr_pass(model, samples, seeds)
+        return self.sample_hr_pass(shared.sd_model, samples, seeds)
 
     def sample_hr_pass(self, model: Any, samples: torch.Tensor, seeds: list[int]) -> Any:
         if shared.state.interrupted:
@@ -152,12 +218,12 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         samples = torch.nn.functional.interpolate(samples, size=(height // OPT_F, width // OPT_F), mode="nearest")
         shared.state.nextjob()
         hr_noise = noise(seeds, samples.shape[1:])
-        hr_c = self.conds(model, self.prompts, False, width, height)
-        hr_uc = self.conds(model, self.negative_prompts, True, width, height)
+        self.setup_conds()
         steps = self.hr_second_pass_steps or self.steps
-        samples = denoise(self, model, samples + hr_noise, hr_c, hr_uc, steps, self.denoising_strength)
+        image_conditioning = self.txt2img_image_conditioning(samples, width, height)
+        samples = denoise(self, samples + hr_noise, steps, self.denoising_strength, image_conditioning)
         self.is_hr_pass = False
-        return DecodedList(decode_latent_batch(model, samples))
+        return DecodedList(decode_latent_batch(shared.sd_model, samples))
 
 
 class StableDiffusionProcessingImg2Img(StableDiffusionProcessing):
@@ -165,22 +231,46 @@ class StableDiffusionProcessingImg2Img(StableDiffusionProcessing):
         super().__init__(**kwargs)
         self.init_images = init_images or []
         self.image_mask, self.mask = mask, None
+        self.overlay_images: list | None = None
+        self.mask_for_overlay = None
+        self.image_conditioning: torch.Tensor | None = None
         self.resize_mode = resize_mode
         self.init_latent: torch.Tensor | None = None
 
     def init(self, all_seeds: list[int]) -> None:
         model = self.sd_model
+        image_mask = self.image_mask
+        if image_mask is not None:  # create_binary_mask, resized as the image ("Inpaint area: Whole picture")
+            image_mask = image_mask.convert("L").resize((self.width, self.height))
+            self.mask_for_overlay = image_mask
+            self.overlay_images = []
         imgs = []
         for img in self.init_images:
             image = img.convert("RGB").resize((self.width, self.height))
+            if image_mask is not None:  # the part that is kept, pasted over the result
+                overlay = Image.new("RGBa", (image.width, image.height))
+                overlay.paste(image.convert("RGBA").convert("RGBa"), mask=ImageOps.invert(image_mask))
+                self.overlay_images.append(overlay.convert("RGBA"))
             imgs.append(np.moveaxis(np.array(image).astype(np.float32) / 255.0, 2, 0))
         batch = np.expand_dims(imgs[0], 0).repeat(self.batch_size, 0) if len(imgs) == 1 else np.array(imgs)
+        if len(imgs) == 1 and self.overlay_images is not None:
+            self.overlay_images = self.overlay_images * self.batch_size
         image = torch.from_numpy(batch)
         self.init_latent = model.get_first_stage_encoding(model.encode_first_stage(2.0 * image - 1.0))
+        if image_mask is not None:
+            latmask = image_mask.convert("RGB").resize((self.init_latent.shape[3], self.init_latent.shape[2]))
+            latmask = np.around(np.moveaxis(np.array(latmask, dtype=np.float32), 2, 0) / 255)[0]
+            latmask = np.tile(latmask[None], (4, 1, 1))
+            self.mask = torch.asarray(1.0 - latmask)
+            self.nmask = torch.asarray(latmask)
+        self.image_conditioning = self.img2img_image_conditioning(image * 2 - 1, self.init_latent, image_mask)
 
     def sample(self, model: Any, seeds: list[int]) -> Any:
         x = noise(seeds, self.init_latent.shape[1:])
-        return denoise(self, model, self.init_latent + x, self.c, self.uc, self.steps, self.denoising_strength)
+        samples = denoise(self, self.init_latent + x, self.steps, self.denoising_strength, self.image_conditioning)
+        if self.mask is not None:
+            samples = samples * self.nmask + self.init_latent * self.mask
+        return samples
 
 
 class DecodedList(list):
@@ -203,9 +293,18 @@ def _tokens(c: Any) -> int:
     return (c["crossattn"] if isinstance(c, dict) else c).shape[1]
 
 
-def denoise(p: Any, model: Any, x: torch.Tensor, cond: Any, uncond: Any, steps: int, strength: float) -> torch.Tensor:
-    """Euler-like loop with CFG; stops after the current step on Interrupt or Skip (like A1111's
-    ``InterruptedException``), returning the latent so far."""
+def _condition(cond: Any, image_cond: torch.Tensor) -> dict:
+    """CFGDenoiser's ``make_condition_dict``: text conds plus ``c_concat``."""
+    if isinstance(cond, dict):
+        return {**cond, "c_concat": [image_cond]}
+    return {"c_crossattn": [cond], "c_concat": [image_cond]}
+
+
+def denoise(p: Any, x: torch.Tensor, steps: int, strength: float, image_cond: torch.Tensor) -> torch.Tensor:
+    """Euler-like loop with CFG, run as A1111's CFGDenoiser runs each step: Interrupt/Skip check, refiner
+    switch (then the model and conds are the refiner's), ``cfg_denoiser`` callback, UNet on
+    ``shared.sd_model``, mask blend, ``store_latent`` (live preview). Stops after the current step on
+    Interrupt or Skip, returning the latent so far."""
     state = shared.state
     sigmas = torch.linspace(2.0, 0.0, steps + 1) * strength
     x = x * max(float(sigmas[0]), 1e-3) if strength >= 1.0 else x
@@ -213,21 +312,31 @@ def denoise(p: Any, model: Any, x: torch.Tensor, cond: Any, uncond: Any, steps: 
     for i in range(steps):
         if state.interrupted or state.skipped:
             break
-        script_callbacks.cfg_denoiser_callback(script_callbacks.CFGDenoiserParams(x, sigmas[i], cond, uncond, i, steps))
+        sd_samplers_common.apply_refiner(p, i, steps)
+        cond, uncond = p.get_conds()
+        model = shared.sd_model
+        params = script_callbacks.CFGDenoiserParams(x, sigmas[i], cond, uncond, i, steps, image_cond)
+        script_callbacks.cfg_denoiser_callback(params)
         x_in = torch.cat([x, x]) / (1 + sigmas[i] ** 2) ** 0.5
         sigma_in = torch.full((x_in.shape[0],), float(sigmas[i]) * 100.0)
+        image_cond_in = torch.cat([image_cond, image_cond])
+        n = x.shape[0]
         if _tokens(cond) == _tokens(uncond):
-            out = model.apply_model(x_in, sigma_in, _cat(cond, uncond))
+            out = model.apply_model(x_in, sigma_in, _condition(_cat(cond, uncond), image_cond_in))
         else:  # A1111 with pad_cond_uncond off: cond and uncond in separate UNet calls
-            n = x.shape[0]
             out = torch.cat(
-                [model.apply_model(x_in[:n], sigma_in[:n], cond), model.apply_model(x_in[n:], sigma_in[n:], uncond)]
+                [
+                    model.apply_model(x_in[:n], sigma_in[:n], _condition(cond, image_cond_in[:n])),
+                    model.apply_model(x_in[n:], sigma_in[n:], _condition(uncond, image_cond_in[n:])),
+                ]
             )
         denoised_c, denoised_u = out.chunk(2)
         denoised = denoised_u + p.cfg_scale * (denoised_c - denoised_u)
+        if getattr(p, "mask", None) is not None:  # blend in the original latent (after)
+            denoised = denoised * p.nmask + p.init_latent * p.mask
+        sd_samplers_common.store_latent(denoised_c)  # live_preview_content "Prompt"
         x = x + (sigmas[i + 1] - sigmas[i]) * denoised * 0.1
         state.sampling_step = i + 1
-        state.current_latent = x
     return x
 
 
@@ -295,11 +404,23 @@ def create_infotext(p: Any, prompt: str, seed: int) -> str:
     return f"{prompt}\nNegative prompt: {p.negative_prompt}\n{text}"
 
 
+def apply_overlay(image: Image.Image, index: int, overlays: list | None) -> Image.Image:
+    if overlays is None or index >= len(overlays):
+        return image
+    image = image.convert("RGBA")
+    image.alpha_composite(overlays[index])
+    return image.convert("RGB")
+
+
 def process_images(p: Any) -> Processed:
     """Runs the whole pipeline, as A1111's ``process_images`` does."""
     state = shared.state
-    model = p.sd_model if p.sd_model is not None else shared.sd_model
-    p.sd_model = model
+    sd_models.reload_model_weights()  # back to the selected model (a refiner may still be loaded)
+    if p.refiner_checkpoint not in (None, "", "None", "none"):
+        p.refiner_checkpoint_info = sd_models.get_closet_checkpoint_match(p.refiner_checkpoint)
+        if p.refiner_checkpoint_info is None:
+            raise Exception(f"Could not find checkpoint with name {p.refiner_checkpoint}")
+    model = shared.sd_model
     p.sd_model_name = model.sd_checkpoint_info.name_for_extra
     p.sd_model_hash = model.sd_model_hash
     seed = p.seed if p.seed != -1 else random.randrange(2**31)
@@ -315,15 +436,18 @@ def process_images(p: Any) -> Processed:
                 state.skipped = False
             if state.interrupted or state.stopping_generation:
                 break
+            sd_models.reload_model_weights()  # "model can be changed for example by refiner"
             seeds = all_seeds[n * p.batch_size : (n + 1) * p.batch_size]
             p.prompts, p.negative_prompts = [p.prompt] * p.batch_size, [p.negative_prompt] * p.batch_size
-            p.c = p.conds(model, p.prompts, False, p.width, p.height)
-            p.uc = p.conds(model, p.negative_prompts, True, p.width, p.height)
-            samples = p.sample(model, seeds)
-            decoded = samples if getattr(samples, "already_decoded", False) else decode_latent_batch(model, samples)
+            p.setup_conds()
+            samples = p.sample(shared.sd_model, seeds)
+            if getattr(samples, "already_decoded", False):
+                decoded = samples
+            else:
+                decoded = decode_latent_batch(p.sd_model, samples)
             for i, s in enumerate(seeds):
                 arr = ((decoded[i].clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0).round().to(torch.uint8).numpy()
-                images.append(Image.fromarray(arr))
+                images.append(apply_overlay(Image.fromarray(arr), i, getattr(p, "overlay_images", None)))
                 infotexts.append(create_infotext(p, p.prompt, s))
             state.nextjob()
     return Processed(

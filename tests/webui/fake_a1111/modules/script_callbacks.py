@@ -18,10 +18,18 @@ class CFGDenoiserParams:
     """Mirrors A1111's CFGDenoiserParams (the fields tests use)."""
 
     def __init__(
-        self, x: Any, sigma: Any, text_cond: Any, text_uncond: Any, sampling_step: int, total_sampling_steps: int
+        self,
+        x: Any,
+        sigma: Any,
+        text_cond: Any,
+        text_uncond: Any,
+        sampling_step: int,
+        total_sampling_steps: int,
+        image_cond: Any = None,
     ) -> None:
         self.x, self.sigma, self.text_cond, self.text_uncond = x, sigma, text_cond, text_uncond
         self.sampling_step, self.total_sampling_steps = sampling_step, total_sampling_steps
+        self.image_cond = image_cond
 
 
 def clear_callbacks() -> None:

@@ -2,13 +2,17 @@
 
 Mirrors v1.10.1: a prompt is split into chunks of 75 tokens, each chunk gets start/end tokens (77),
 ``encode_with_transformers`` is called once per chunk and the results are concatenated along the
-token axis (77, 154, ... tokens). SD1 calls ``wrapped.transformer(input_ids=..., output_hidden_states=
--CLIP_stop_at_last_layers)``; SDXL's CLIP-L calls it with ``output_hidden_states=layer == "hidden"``.
-Tokens are derived from characters (no tokenizer files): one character is one token.
+token axis (77, 154, ... tokens). Before each chunk's call ``hijack.fixes`` is set to the chunk's
+textual-inversion fixes (offset in the chunk, Embedding); an embedding takes ``vectors`` placeholder
+tokens and moves to the next chunk when it does not fit. SD1 calls ``wrapped.transformer(input_ids=...,
+output_hidden_states=-CLIP_stop_at_last_layers)``; SDXL's CLIP-L calls it with
+``output_hidden_states=layer == "hidden"``. Tokens are derived from characters (no tokenizer files):
+one character is one token.
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Any
 
 import torch
@@ -16,15 +20,28 @@ from torch import nn
 
 from modules import shared
 
+PromptChunkFix = namedtuple("PromptChunkFix", ["offset", "embedding"])
+
+
+class PromptChunk:
+    """75 tokens (77 with start and end) and the textual-inversion fixes inside them."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.fixes: list[PromptChunkFix] = []
+
 
 class FrozenCLIPEmbedderWithCustomWordsBase(nn.Module):
     """Chunks of 75 tokens, each padded to 77 and encoded; ``forward(texts)`` -> (B, 77 * chunks, C)."""
 
     chunk_length = 75
 
-    def __init__(self, wrapped: nn.Module, vocab_size: int, id_start: int, id_end: int, id_pad: int) -> None:
+    def __init__(
+        self, wrapped: nn.Module, hijack: Any, vocab_size: int, id_start: int, id_end: int, id_pad: int
+    ) -> None:
         super().__init__()
         self.wrapped = wrapped
+        self.hijack = hijack
         self.vocab_size = vocab_size
         self.id_start, self.id_end, self.id_pad = id_start, id_end, id_pad
         self.input_key = getattr(wrapped, "input_key", "txt")
@@ -35,23 +52,44 @@ class FrozenCLIPEmbedderWithCustomWordsBase(nn.Module):
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [[(ord(ch) * 7 + i) % (self.vocab_size - 3) + 1 for i, ch in enumerate(t)] for t in texts]
 
-    def tokenize_line(self, line: str) -> list[list[int]]:
-        tokens = self.tokenize([line])[0]
-        chunks = []
-        for start in range(0, max(len(tokens), 1), self.chunk_length):
-            part = tokens[start : start + self.chunk_length]
-            chunks.append([self.id_start, *part] + [self.id_end] * (self.chunk_length + 1 - len(part)))
+    def tokenize_line(self, line: str) -> list[PromptChunk]:
+        chunks: list[PromptChunk] = []
+        chunk = PromptChunk()
+
+        def next_chunk() -> None:
+            nonlocal chunk
+            to_add = self.chunk_length - len(chunk.tokens)
+            chunk.tokens = [self.id_start, *chunk.tokens, *([self.id_end] * (to_add + 1))]
+            chunks.append(chunk)
+            chunk = PromptChunk()
+
+        for text, embedding in self.hijack.embedding_db.split(line):
+            if embedding is None:
+                for token in self.tokenize([text])[0]:
+                    if len(chunk.tokens) == self.chunk_length:
+                        next_chunk()
+                    chunk.tokens.append(token)
+                continue
+            if len(chunk.tokens) + embedding.vectors > self.chunk_length:
+                next_chunk()
+            chunk.fixes.append(PromptChunkFix(len(chunk.tokens), embedding))
+            chunk.tokens += [0] * embedding.vectors
+        if chunk.tokens or not chunks:
+            next_chunk()
         return chunks
 
-    def empty_chunk(self) -> list[int]:
-        return [self.id_start] + [self.id_end] * (self.chunk_length + 1)
+    def empty_chunk(self) -> PromptChunk:
+        chunk = PromptChunk()
+        chunk.tokens = [self.id_start] + [self.id_end] * (self.chunk_length + 1)
+        return chunk
 
     def forward(self, texts: list[str]) -> Any:
         batch_chunks = [self.tokenize_line(t) for t in texts]
         zs = []
         for i in range(max(len(c) for c in batch_chunks)):
-            tokens = [chunks[i] if i < len(chunks) else self.empty_chunk() for chunks in batch_chunks]
-            zs.append(self.process_tokens(tokens))
+            batch_chunk = [chunks[i] if i < len(chunks) else self.empty_chunk() for chunks in batch_chunks]
+            self.hijack.fixes = [x.fixes for x in batch_chunk]
+            zs.append(self.process_tokens([x.tokens for x in batch_chunk]))
         if getattr(self.wrapped, "return_pooled", False):
             return torch.hstack(zs), zs[0].pooled
         return torch.hstack(zs)
@@ -75,9 +113,11 @@ class FrozenCLIPEmbedderWithCustomWordsBase(nn.Module):
 class FrozenCLIPEmbedderWithCustomWords(FrozenCLIPEmbedderWithCustomWordsBase):
     """SD1: ``cond_stage_model`` after A1111's hijack; ``wrapped.transformer`` is a CLIPTextModel."""
 
-    def __init__(self, wrapped: nn.Module) -> None:
+    def __init__(self, wrapped: nn.Module, hijack: Any) -> None:
         config = wrapped.transformer.config
-        super().__init__(wrapped, config.vocab_size, config.bos_token_id, config.eos_token_id, config.eos_token_id)
+        super().__init__(
+            wrapped, hijack, config.vocab_size, config.bos_token_id, config.eos_token_id, config.eos_token_id
+        )
 
     def encode_with_transformers(self, tokens: torch.Tensor) -> torch.Tensor:
         clip_skip = shared.opts.CLIP_stop_at_last_layers

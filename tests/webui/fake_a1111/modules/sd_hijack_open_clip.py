@@ -6,6 +6,8 @@ pads with 0 after the end token.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,9 +17,9 @@ from modules.sd_hijack_clip import FrozenCLIPEmbedderWithCustomWordsBase
 class FrozenOpenCLIPEmbedderWithCustomWords(FrozenCLIPEmbedderWithCustomWordsBase):
     """SD2: ``cond_stage_model`` wrapping ldm's ``FrozenOpenCLIPEmbedder``."""
 
-    def __init__(self, wrapped: nn.Module) -> None:
+    def __init__(self, wrapped: nn.Module, hijack: Any) -> None:
         vocab = wrapped.model.vocab_size
-        super().__init__(wrapped, vocab, id_start=vocab - 2, id_end=vocab - 1, id_pad=0)
+        super().__init__(wrapped, hijack, vocab, id_start=vocab - 2, id_end=vocab - 1, id_pad=0)
 
     def encode_with_transformers(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.wrapped.encode_with_transformer(tokens)
@@ -26,9 +28,9 @@ class FrozenOpenCLIPEmbedderWithCustomWords(FrozenCLIPEmbedderWithCustomWordsBas
 class FrozenOpenCLIPEmbedder2WithCustomWords(FrozenCLIPEmbedderWithCustomWordsBase):
     """SDXL's OpenCLIP-bigG (``conditioner.embedders[1]``) wrapping sgm's ``FrozenOpenCLIPEmbedder2``."""
 
-    def __init__(self, wrapped: nn.Module) -> None:
+    def __init__(self, wrapped: nn.Module, hijack: Any) -> None:
         vocab = wrapped.model.vocab_size
-        super().__init__(wrapped, vocab, id_start=vocab - 2, id_end=vocab - 1, id_pad=0)
+        super().__init__(wrapped, hijack, vocab, id_start=vocab - 2, id_end=vocab - 1, id_pad=0)
 
     def encode_with_transformers(self, tokens: torch.Tensor) -> torch.Tensor:
         d = self.wrapped.encode_with_transformer(tokens)

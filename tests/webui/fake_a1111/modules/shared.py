@@ -36,11 +36,25 @@ class OptionInfo:
         return self
 
 
+#: The options the fake pipeline reads, with A1111 v1.10.1's defaults.
+DEFAULTS: dict[str, Any] = {
+    "sd_model_checkpoint": None,
+    "CLIP_stop_at_last_layers": 1,
+    "sd_checkpoints_limit": 1,
+    "inpainting_mask_weight": 1.0,
+    "live_previews_enable": True,
+    "show_progress_every_n_steps": 10,
+    "show_progress_type": "Approx NN",
+    "show_progress_grid": True,
+    "live_preview_content": "Prompt",
+}
+
+
 class Options:
     """Mirrors ``shared.opts``: registered options read back as attributes."""
 
     def __init__(self) -> None:
-        object.__setattr__(self, "data", {"sd_model_checkpoint": None, "CLIP_stop_at_last_layers": 1})
+        object.__setattr__(self, "data", dict(DEFAULTS))
         object.__setattr__(self, "data_labels", {})
 
     def add_option(self, key: str, info: OptionInfo) -> None:
@@ -60,4 +74,6 @@ class Options:
 opts = Options()
 state = shared_state.State()
 sd_model: Any = None
+#: False with --lowvram/--medvram: live previews are then decoded in the generation thread.
+parallel_processing_allowed = True
 cmd_opts = types.SimpleNamespace(api=False, skip_install=False)
