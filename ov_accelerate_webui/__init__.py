@@ -31,6 +31,7 @@ class Loaded:
         callbacks = host.script_callbacks()
         callbacks.on_ui_settings(lambda: add_settings_section(self.extension))
         callbacks.on_model_loaded(self.extension.on_model_loaded)
+        callbacks.on_cfg_denoiser(self.extension.on_cfg_denoiser)
         callbacks.on_script_unloaded(self.extension.unload)
 
 

@@ -1,10 +1,12 @@
 """Compiled parts of the loaded checkpoint: which backend and compiled forward belongs to which module.
 
 One :class:`Accelerator` lives as long as the extension (created by the script entry point and reset
-on script unload). It keeps, for the current checkpoint, one ov_backend instance per backend setting
-and one compiled forward per routed module, so the next generation starts at full speed. The backend
-itself notices weight changes (LoRA, a new VAE) and shapes; this object notices a new checkpoint or a
-new model object and drops what belonged to the old one. All methods are thread-safe.
+on script unload). It keeps, for the checkpoints of the last generation (the
+selected one, and a refiner or hires checkpoint that A1111 switched to during it), one ov_backend
+instance per backend setting and one compiled forward per routed module object, so the next generation
+starts at full speed. The backend itself notices weight changes (LoRA, a new VAE, a refiner loaded into
+the same modules) and shapes; this object notices a checkpoint the last generation did not use and
+drops what belonged to the others. All methods are thread-safe.
 
 Sizes: the dimensions that change between generations (:data:`VARYING_DIMS`: batch, latent height and
 width, prompt length) are marked dynamic on the first call, so dynamo hands the backend one graph with
@@ -88,6 +90,8 @@ class PreparedRun:
     """The compiled forward behind each route (their call counters tell which routes ran)."""
     calls_before: tuple[int, ...] = ()
     """Calls of each entry before the run."""
+    key: BackendKey = ("", False, "", ())
+    """The backend options key of ``backend``."""
 
 
 class Accelerator:
@@ -102,9 +106,9 @@ class Accelerator:
         self.api = api
         self._notify = notify or (lambda text: None)
         self._lock = threading.RLock()
-        self._checkpoint: str | None = None
+        self._checkpoints: set[str] = set()
         self._backends: dict[BackendKey, Any] = {}
-        self._compiled: dict[tuple[BackendKey, str], _Compiled] = {}
+        self._compiled: dict[tuple[BackendKey, str], list[_Compiled]] = {}
 
     def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str) -> PreparedRun:
         """Find the parts of ``model`` to accelerate and get (or make) their compiled forwards.
@@ -118,46 +122,71 @@ class Accelerator:
         key = backend_key(options)
         ckpt = checkpoint_key(model)
         with self._lock:
-            if ckpt != self._checkpoint:
-                if self._checkpoint is not None:
+            if ckpt not in self._checkpoints:
+                if self._checkpoints:
                     logger.info(
                         "checkpoint changed (%s -> %s): dropping compiled models in memory",
-                        self._checkpoint,
+                        ", ".join(sorted(self._checkpoints)),
                         ckpt,
                     )
                 self._drop_all()
-                self._checkpoint = ckpt
+                self._checkpoints = {ckpt}
             backend = self._backends.get(key)
             if backend is None:
                 backend = self.api.backend_class(self.api.build_settings(options))
                 self._backends[key] = backend
-            entries = [self._entry(key, backend, t) for t in targets]
-            routes = tuple(Route(t.module, self._make_forward(e), t.label, t.method) for t, e in zip(targets, entries))
-            first_report = len(getattr(backend, "reports", ()))
-            stats_before = dict(backend.stats())
-            calls_before = tuple(e.calls for e in entries)
+            return self._prepared(model, targets, key, backend, settings)
+
+    def extend(self, run: PreparedRun, model: Any) -> PreparedRun:
+        """The routes of ``model``, another model A1111 switched to during ``run`` (a refiner, a hires
+        checkpoint, the selected model again): same backend, nothing dropped.
+
+        Raises:
+            UnsupportedModel: the model cannot be accelerated.
+        """
+        targets = find_targets(model, run.settings.parts)
+        with self._lock:
+            self._checkpoints.add(checkpoint_key(model))
+            return self._prepared(model, targets, run.key, run.backend, run.settings)
+
+    def _prepared(
+        self, model: Any, targets: list[Target], key: BackendKey, backend: Any, settings: AccelerateSettings
+    ) -> PreparedRun:
+        entries = [self._entry(key, backend, t) for t in targets]
+        routes = tuple(Route(t.module, self._make_forward(e), t.label, t.method) for t, e in zip(targets, entries))
         return PreparedRun(
             routes=routes,
             backend=backend,
-            first_report=first_report,
+            first_report=len(getattr(backend, "reports", ())),
             settings=settings,
-            checkpoint=ckpt,
-            stats_before=stats_before,
+            checkpoint=checkpoint_key(model),
+            stats_before=dict(backend.stats()),
             entries=tuple(entries),
-            calls_before=calls_before,
+            calls_before=tuple(e.calls for e in entries),
+            key=key,
         )
 
     def _entry(self, key: BackendKey, backend: Any, target: Target) -> _Compiled:
-        entry = self._compiled.get((key, target.label))
-        if entry is None or entry.module_ref() is not target.module:
-            if entry is not None:
-                logger.info("%s is a new module object: compiling it anew", target.label)
+        entries = self._compiled.setdefault((key, target.label), [])
+        entry = next((e for e in entries if e.module_ref() is target.module), None)
+        if entry is None:
+            if entries:
+                logger.info("%s is a new module object: compiling it too", target.label)
             compiled = torch.compile(getattr(target.module, target.method), backend=backend)
             entry = _Compiled(
                 part=target.part, label=target.label, module_ref=weakref.ref(target.module), compiled=compiled
             )
-            self._compiled[(key, target.label)] = entry
+            entries.append(entry)
         return entry
+
+    def keep_only(self, runs: Sequence[PreparedRun]) -> None:
+        """Drop compiled forwards of module objects that none of ``runs`` routed (models A1111 replaced)."""
+        used = {id(e) for run in runs for e in run.entries}
+        with self._lock:
+            for label_key, entries in list(self._compiled.items()):
+                entries[:] = [e for e in entries if id(e) in used]
+                if not entries:
+                    del self._compiled[label_key]
 
     def _make_forward(self, entry: _Compiled) -> Callable[..., Any]:
         lock, notify = self._lock, self._notify
@@ -195,15 +224,15 @@ class Accelerator:
         """Drop every compiled model in memory (the disk cache stays)."""
         with self._lock:
             self._drop_all()
-            self._checkpoint = None
+            self._checkpoints = set()
 
     def forget_unless(self, model: Any) -> None:
-        """Drop compiled models unless they belong to ``model``'s checkpoint (on model load)."""
+        """Drop compiled models unless ``model``'s checkpoint is one the last generation used (on model load)."""
         with self._lock:
-            if self._checkpoint is not None and checkpoint_key(model) != self._checkpoint:
-                logger.info("model changed: dropping compiled models of %s", self._checkpoint)
+            if self._checkpoints and checkpoint_key(model) not in self._checkpoints:
+                logger.info("model changed: dropping compiled models of %s", ", ".join(sorted(self._checkpoints)))
                 self._drop_all()
-                self._checkpoint = None
+                self._checkpoints = set()
 
     def backend_settings(self) -> list[Any]:
         """Settings objects of the live backends (what the panel's choices became)."""
@@ -213,7 +242,7 @@ class Accelerator:
     def compiled_paths(self) -> list[str]:
         """Paths of modules that have a compiled forward now (for the panel and tests)."""
         with self._lock:
-            return sorted({label for (_key, label) in self._compiled})
+            return sorted({label for (_key, label), entries in self._compiled.items() if entries})
 
     def reports_since(self, run: PreparedRun) -> list[Any]:
         """The compile reports the backend produced during ``run``."""

@@ -17,7 +17,7 @@ from .accelerator import Accelerator
 from .backend_bridge import BackendApi, BackendUnavailable, load_backend
 from .model_parts import UnsupportedModel, checkpoint_key
 from .precompile import ReadySizes, Size, parse_sizes
-from .routing import routed
+from .session import RoutingSession
 from .settings import AccelerateSettings
 from .status import format_bytes, run_status
 
@@ -39,6 +39,7 @@ class Extension:
         self._accelerator: Accelerator | None = None
         self.ready = ReadySizes()
         self.last_status = "No generation with OpenVINO yet."
+        self._session: RoutingSession | None = None
 
     # --- backend -------------------------------------------------------------------------------
     def api(self) -> BackendApi:
@@ -82,18 +83,35 @@ class Extension:
         except (BackendUnavailable, UnsupportedModel) as exc:
             return self._run_plain(p, f"Accelerate with OpenVINO: {exc}", logging.WARNING)
         p.extra_generation_params[INFOTEXT_KEY] = settings.infotext()
-        with routed(prepared.routes):
-            processed = host.process_images(p)
+
+        def unsupported(name: str, reason: str) -> None:
+            value = f"{settings.infotext()}; {name} in PyTorch"
+            p.extra_generation_params[INFOTEXT_KEY] = value
+            comment = getattr(p, "comment", None)
+            if comment is not None:
+                comment(f"Accelerate with OpenVINO: {name} ran in plain PyTorch: {reason}")
+
+        session = RoutingSession(accelerator, prepared, model, on_unsupported=unsupported)
+        with self._lock:
+            self._session = session
+        try:
+            with session:
+                processed = host.process_images(p)
+        finally:
+            with self._lock:
+                self._session = None
         status = run_status(
             settings,
-            accelerator.calls_since(prepared),
+            session.calls(),
             accelerator.reports_since(prepared),
             accelerator.stats_since(prepared),
+            switches=session.events,
         )
         logger.info("%s", status)
         self.last_status = status
         if not host.state().interrupted:
-            self._record_sizes(p, prepared.checkpoint, settings)
+            for checkpoint in session.checkpoints():
+                self._record_sizes(p, checkpoint, settings)
         if processed is not None:
             processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + status).strip()
         return processed
@@ -171,10 +189,21 @@ class Extension:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def on_model_loaded(self, model: Any) -> None:
-        """Drop compiled models of a checkpoint that is no longer loaded."""
+        """During a generation: route the model A1111 switched to. Otherwise: drop compiled models of
+        checkpoints that are no longer in use."""
         with self._lock:
-            if self._accelerator is not None:
+            session = self._session
+            if session is None and self._accelerator is not None:
                 self._accelerator.forget_unless(model)
+        if session is not None:
+            session.follow(model)
+
+    def on_cfg_denoiser(self, params: Any) -> None:
+        """Before each UNet step: route the loaded model if A1111 switched to it without a
+        ``model_loaded`` callback (a model kept in memory, ``sd_checkpoints_limit`` > 1)."""
+        session = self._session
+        if session is not None:
+            session.follow(host.loaded_model())
 
     def unload(self) -> None:
         """Release everything (script reload or WebUI shutdown)."""

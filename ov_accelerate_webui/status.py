@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .settings import AccelerateSettings
@@ -27,7 +27,11 @@ def _calls(count: int) -> str:
 
 
 def run_status(
-    settings: AccelerateSettings, routed: Mapping[str, int], reports: Iterable[Any], stats: dict[str, float]
+    settings: AccelerateSettings,
+    routed: Mapping[str, int],
+    reports: Iterable[Any],
+    stats: dict[str, float],
+    switches: Sequence[str] = (),
 ) -> str:
     """What ran in OpenVINO, what fell back to PyTorch and why, compile vs run time, cache hits, device.
 
@@ -36,11 +40,14 @@ def run_status(
         routed: label of each routed module -> how many times it was called during the run.
         reports: the backend's compile reports made during the run.
         stats: the backend's counters accumulated during the run.
+        switches: what happened when A1111 switched the model during the run (refiner, hires checkpoint).
     """
     reports = list(reports)
     devices = sorted({str(getattr(r, "device", settings.device)) for r in reports}) or [settings.device]
     parts = ", ".join(f"{label} ({_calls(count)})" for label, count in routed.items())
     lines = [f"OpenVINO ({settings.infotext()}) on {', '.join(devices)}: {parts or 'nothing routed'}."]
+    if switches:
+        lines.append("Model switches during the generation: " + "; ".join(switches) + ".")
     lines.append(
         f"Compile {stats.get('compile_seconds', 0.0):.1f} s, run {stats.get('run_seconds', 0.0):.1f} s; "
         f"{int(stats.get('ov_calls', 0))} OpenVINO calls, {int(stats.get('eager_calls', 0))} PyTorch "

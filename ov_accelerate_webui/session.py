@@ -1,0 +1,140 @@
+"""One generation with routing: follows A1111 when it switches the model during ``process_images``.
+
+A1111 v1.10.1 changes ``shared.sd_model`` inside ``process_images``: the refiner
+(``sd_samplers_common.apply_refiner`` -> ``sd_models.reload_model_weights``) mid-sampling, a hires
+checkpoint for the second pass, and the selected model again at the start of each batch. Depending on
+the settings the switch builds a new model object (another config, or ``sd_checkpoints_limit`` > 1) or
+loads the new weights into the same modules. :class:`RoutingSession` is told about the loaded model
+after each possible switch (``model_loaded`` callback, and before every UNet step through the
+``cfg_denoiser`` callback) and routes every module object it has not routed yet; weights loaded into
+modules that are already routed are the backend's business (it notices them and never runs stale
+weights). Everything it routed is restored when the ``with`` block ends, whatever ended it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .accelerator import Accelerator, PreparedRun
+from .model_parts import UnsupportedModel, checkpoint_key
+from .routing import Route, routed
+
+logger = logging.getLogger(__name__)
+
+
+def model_name(model: Any) -> str:
+    """The checkpoint's short name (A1111 ``name_for_extra``), e.g. "sd_xl_refiner_1.0"."""
+    info = getattr(model, "sd_checkpoint_info", None)
+    return str(getattr(info, "name_for_extra", None) or checkpoint_key(model))
+
+
+class RoutingSession:
+    """Routes the loaded model for one ``process_images`` call and every model A1111 switches to in it.
+
+    Args:
+        accelerator: owns the compiled forwards.
+        first: the prepared routes of the model loaded when the generation started.
+        model: that model.
+        on_unsupported: called with (model name, reason) when a model switched to cannot be routed.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        first: PreparedRun,
+        model: Any,
+        on_unsupported: Callable[[str, str], None] = lambda name, reason: None,
+    ) -> None:
+        self.accelerator = accelerator
+        self.first = first
+        self.runs: list[PreparedRun] = [first]
+        self.run_names: list[str] = [""]
+        self.events: list[str] = []
+        self._on_unsupported = on_unsupported
+        self._lock = threading.RLock()
+        self._stack = contextlib.ExitStack()
+        self._routed: set[tuple[int, str]] = set()
+        self._models: list[tuple[weakref.ReferenceType, str]] = []
+        self._first_model = model
+
+    def __enter__(self) -> RoutingSession:
+        self._stack.__enter__()
+        try:
+            self._route(self.first.routes)
+            self._models.append((weakref.ref(self._first_model), checkpoint_key(self._first_model)))
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            try:
+                self._stack.__exit__(*exc)
+            finally:
+                self.accelerator.keep_only(self.runs)
+
+    def _route(self, routes: tuple[Route, ...]) -> None:
+        new = tuple(r for r in routes if (id(r.module), r.method) not in self._routed)
+        self._stack.enter_context(routed(new))
+        self._routed.update((id(r.module), r.method) for r in new)
+
+    def follow(self, model: Any) -> None:
+        """Route ``model`` if it is a model (or holds module objects) this session has not routed yet."""
+        if model is None:
+            return
+        with self._lock:
+            ckpt = checkpoint_key(model)
+            for i, (ref, seen_ckpt) in enumerate(self._models):
+                if ref() is model:
+                    if seen_ckpt != ckpt:
+                        self.events.append(f"{model_name(model)} loaded into the same model object")
+                        self._models[i] = (ref, ckpt)
+                        self._add(model, ckpt, note_new=False)
+                    return
+            self._models.append((weakref.ref(model), ckpt))
+            self._add(model, ckpt, note_new=True)
+
+    def _add(self, model: Any, ckpt: str, note_new: bool) -> None:
+        name = model_name(model)
+        try:
+            run = self.accelerator.extend(self.first, model)
+        except UnsupportedModel as exc:
+            self.events.append(f"{name}: ran in plain PyTorch ({exc})")
+            logger.warning("Accelerate with OpenVINO: %s, switched to during the generation: %s", name, exc)
+            self._on_unsupported(name, str(exc))
+            return
+        fresh = [r for r in run.routes if (id(r.module), r.method) not in self._routed]
+        self._route(run.routes)
+        if note_new:
+            self.events.append(f"{name}: switched to a new model object, routed")
+        elif fresh:
+            self.events.append(f"{name}: {len(fresh)} new module(s) routed")
+        if fresh or note_new:
+            self.runs.append(run)
+            self.run_names.append(name)
+        logger.info("Accelerate with OpenVINO: following the switch to %s (%s)", name, ckpt)
+
+    def checkpoints(self) -> list[str]:
+        """Checkpoint keys of every model this session routed."""
+        with self._lock:
+            return list(dict.fromkeys(ckpt for _ref, ckpt in self._models))
+
+    def calls(self) -> dict[str, int]:
+        """Route label -> calls during the session; routes of models switched to are prefixed by their name."""
+        result: dict[str, int] = {}
+        seen: set[int] = set()
+        with self._lock:
+            for run, name in zip(self.runs, self.run_names):
+                for entry, before in zip(run.entries, run.calls_before):
+                    if id(entry) in seen:  # the same module object, counted under its first name
+                        continue
+                    seen.add(id(entry))
+                    key = f"{name}: {entry.label}" if name else entry.label
+                    result[key] = result.get(key, 0) + entry.calls - before
+        return result
