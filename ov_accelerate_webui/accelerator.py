@@ -8,6 +8,10 @@ starts at full speed. The backend itself notices weight changes (LoRA, a new VAE
 the same modules) and shapes; this object notices a checkpoint the last generation did not use and
 drops what belonged to the others. All methods are thread-safe.
 
+Every routed call is checked: if dynamo ran it without any compiled graph (it gave up on the function,
+e.g. after its recompile limit, and runs it in plain PyTorch from then on), the call is counted with the
+reason, and the run's status and a WARNING say so.
+
 Sizes: the dimensions that change between generations (:data:`VARYING_DIMS`: batch, latent height and
 width, prompt length) are marked dynamic on the first call, so dynamo hands the backend one graph with
 symbolic sizes from the start. Each new size is then compiled once, and a size seen before is found
@@ -20,13 +24,15 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any
 
 import torch
 
 from .backend_bridge import BackendApi
+from .graph_runs import GraphRunCounter, why_eager
 from .model_parts import Target, checkpoint_key, find_targets
 from .routing import Route
 from .settings import PART_LABELS, AccelerateSettings
@@ -41,11 +47,14 @@ BackendKey = tuple[str, bool, str, tuple[tuple[str, str], ...]]
 VARYING_DIMS: dict[int, tuple[int, ...]] = {1: (0,), 2: (0,), 3: (0, 1), 4: (0, 2, 3)}
 
 
-def mark_varying_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Mark the dimensions of :data:`VARYING_DIMS` as dynamic for dynamo (sizes of 1 stay static)."""
+def mark_varying_dims(
+    args: Sequence[Any], kwargs: dict[str, Any], dims: Mapping[int, tuple[int, ...]] = VARYING_DIMS
+) -> None:
+    """Mark ``dims`` (rank -> dimensions; default :data:`VARYING_DIMS`) of the tensor arguments as dynamic
+    for dynamo (sizes of 1 stay static)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            for dim in VARYING_DIMS.get(value.dim(), ()):
+            for dim in dims.get(value.dim(), ()):
                 if value.shape[dim] > 1:
                     torch._dynamo.maybe_mark_dynamic(value, dim)
 
@@ -72,8 +81,14 @@ class _Compiled:
     label: str
     module_ref: weakref.ReferenceType
     compiled: Callable[..., Any]
+    counter: GraphRunCounter
+    varying_dims: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: VARYING_DIMS)
+    code: CodeType | None = None
     seen: set[tuple] = field(default_factory=set)
     calls: int = 0
+    eager_calls: int = 0
+    """Calls dynamo ran without a compiled graph (plain PyTorch)."""
+    eager_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,8 @@ class PreparedRun:
     """The compiled forward behind each route (their call counters tell which routes ran)."""
     calls_before: tuple[int, ...] = ()
     """Calls of each entry before the run."""
+    eager_before: tuple[int, ...] = ()
+    """Calls of each entry that ran in plain PyTorch before the run."""
     key: BackendKey = ("", False, "", ())
     """The backend options key of ``backend``."""
 
@@ -108,6 +125,7 @@ class Accelerator:
         self._lock = threading.RLock()
         self._checkpoints: set[str] = set()
         self._backends: dict[BackendKey, Any] = {}
+        self._counters: dict[BackendKey, GraphRunCounter] = {}
         self._compiled: dict[tuple[BackendKey, str], list[_Compiled]] = {}
 
     def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str) -> PreparedRun:
@@ -163,6 +181,7 @@ class Accelerator:
             stats_before=dict(backend.stats()),
             entries=tuple(entries),
             calls_before=tuple(e.calls for e in entries),
+            eager_before=tuple(e.eager_calls for e in entries),
             key=key,
         )
 
@@ -172,9 +191,19 @@ class Accelerator:
         if entry is None:
             if entries:
                 logger.info("%s is a new module object: compiling it too", target.label)
-            compiled = torch.compile(getattr(target.module, target.method), backend=backend)
+            counter = self._counters.get(key)
+            if counter is None or counter.backend is not backend:
+                counter = self._counters[key] = GraphRunCounter(backend)
+            compiled = torch.compile(getattr(target.module, target.method), backend=counter)
+            function = getattr(type(target.module), target.method, None)
             entry = _Compiled(
-                part=target.part, label=target.label, module_ref=weakref.ref(target.module), compiled=compiled
+                part=target.part,
+                label=target.label,
+                module_ref=weakref.ref(target.module),
+                compiled=compiled,
+                counter=counter,
+                varying_dims=dict(target.varying_dims) if target.varying_dims is not None else VARYING_DIMS,
+                code=getattr(function, "__code__", None),
             )
             entries.append(entry)
         return entry
@@ -192,18 +221,28 @@ class Accelerator:
         lock, notify = self._lock, self._notify
         label = PART_LABELS[entry.part]
 
+        def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            before = entry.counter.graphs_run()
+            result = entry.compiled(*args, **kwargs)
+            if entry.counter.graphs_run() == before:  # dynamo ran it without a compiled graph
+                reason = why_eager(entry.code)
+                with lock:
+                    entry.eager_calls += 1
+                    entry.eager_reason = reason
+            return result
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             signature = input_signature(args, kwargs)
             with lock:
                 new = signature not in entry.seen
                 entry.calls += 1
             if not new:
-                return entry.compiled(*args, **kwargs)
-            mark_varying_dims(args, kwargs)
+                return call(args, kwargs)
+            mark_varying_dims(args, kwargs, entry.varying_dims)
             shapes = "x".join(str(d) for d in signature[0][0]) if signature else "?"
             notify(f"OpenVINO: compiling {label} ({entry.label}) for input {shapes} ...")
             try:
-                result = entry.compiled(*args, **kwargs)
+                result = call(args, kwargs)
             finally:
                 notify(None)
             with lock:
@@ -218,6 +257,7 @@ class Accelerator:
             if reset is not None:
                 reset()
         self._backends.clear()
+        self._counters.clear()
         self._compiled.clear()
 
     def reset(self) -> None:
@@ -253,6 +293,15 @@ class Accelerator:
         """Route label -> how many times it was called during ``run`` (0: routed but never called)."""
         with self._lock:
             return {e.label: e.calls - before for e, before in zip(run.entries, run.calls_before)}
+
+    def eager_since(self, run: PreparedRun) -> dict[str, tuple[int, str]]:
+        """Route label -> (calls dynamo ran in plain PyTorch during ``run``, why), for routes that had any."""
+        with self._lock:
+            return {
+                e.label: (e.eager_calls - before, e.eager_reason)
+                for e, before in zip(run.entries, run.eager_before)
+                if e.eager_calls > before
+            }
 
     def stats_since(self, run: PreparedRun) -> dict[str, float]:
         """Backend counters (compile/run seconds, calls, cache hits) accumulated during ``run``."""

@@ -19,7 +19,7 @@ from .model_parts import UnsupportedModel, checkpoint_key
 from .precompile import ReadySizes, Size, parse_sizes
 from .session import RoutingSession
 from .settings import AccelerateSettings
-from .status import format_bytes, run_status
+from .status import eager_line, format_bytes, run_status
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +100,18 @@ class Extension:
         finally:
             with self._lock:
                 self._session = None
+        calls, eager = session.calls(), session.eager()
         status = run_status(
             settings,
-            session.calls(),
+            calls,
             accelerator.reports_since(prepared),
             accelerator.stats_since(prepared),
             switches=session.events,
+            eager=eager,
         )
         logger.info("%s", status)
+        if eager:
+            logger.warning("Accelerate with OpenVINO: %s", eager_line(eager, calls))
         self.last_status = status
         if not host.state().interrupted:
             for checkpoint in session.checkpoints():

@@ -15,33 +15,63 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-#: (family, part, candidate paths of the callable that is routed), sorted.
-#: For each (family, part) every group is routed: SDXL has two text encoders, the VAE has an encoder
-#: and a decoder. Alternatives for one role are listed in order of preference and separated by "|"
-#: ("a|b": route a if present, else b). "path:method" routes that method instead of ``forward``:
-#: A1111 encodes open_clip prompts with ``FrozenOpenCLIPEmbedder*.encode_with_transformer``, which
-#: calls the resblocks one by one and never ``model.transformer.forward`` (ldm/sgm encoders/modules.py).
+#: (family, part, paths), sorted. UNet and VAE: each path is a module whose ``forward`` is routed
+#: ("a|b": a if present, else b). Text encoders: where A1111 keeps them; "x.*" means each module of the
+#: list ``x`` that reads the prompt (sgm's ``input_key == "txt"``). What is routed inside a text encoder
+#: is decided by what it is (:data:`TEXT_ENCODER_KINDS`), never by its position, and the combination
+#: found must be one the family has (:data:`TEXT_ENCODER_SETS`).
 TARGET_TABLE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("sd1", "text_encoder", ("cond_stage_model.wrapped.transformer|cond_stage_model.transformer",)),
+    ("sd1", "text_encoder", ("cond_stage_model",)),
     ("sd1", "unet", ("model.diffusion_model",)),
     ("sd1", "vae", ("first_stage_model.decoder", "first_stage_model.encoder")),
-    (
-        "sd2",
-        "text_encoder",
-        ("cond_stage_model.wrapped:encode_with_transformer|cond_stage_model:encode_with_transformer",),
-    ),
+    ("sd2", "text_encoder", ("cond_stage_model",)),
     ("sd2", "unet", ("model.diffusion_model",)),
     ("sd2", "vae", ("first_stage_model.decoder", "first_stage_model.encoder")),
-    (
-        "sdxl",
-        "text_encoder",
-        (
-            "conditioner.embedders.0.wrapped.transformer|conditioner.embedders.0.transformer",
-            "conditioner.embedders.1.wrapped:encode_with_transformer|conditioner.embedders.1:encode_with_transformer",
-        ),
-    ),
+    ("sdxl", "text_encoder", ("conditioner.embedders.*",)),
     ("sdxl", "unet", ("model.diffusion_model",)),
     ("sdxl", "vae", ("first_stage_model.decoder", "first_stage_model.encoder")),
+)
+
+
+@dataclass(frozen=True)
+class TextEncoderKind:
+    """A kind of text encoder A1111 loads, and the part of it that is routed.
+
+    The routed part starts below the token embedding (A1111's ``EmbeddingsWithFixes``, which splices in
+    textual-inversion vectors from a Python attribute), so embeddings arrive as ordinary activations and
+    a new embedding position or count never makes dynamo recompile.
+    """
+
+    name: str
+    """Short name used in the tables, e.g. "clip"."""
+    label: str
+    """What a user calls it, for messages."""
+    path: str
+    """Module inside the (unwrapped) ldm/sgm embedder whose ``method`` is routed ("" = the embedder)."""
+    method: str
+    """The routed method."""
+    varying_dims: tuple[tuple[int, tuple[int, ...]], ...]
+    """Tensor rank -> dimensions of the routed call's inputs that change between generations (batch)."""
+
+
+#: Sorted by name. "clip": transformers ``CLIPTextModel`` (SD1, SDXL's CLIP-L); A1111 calls the whole
+#: model with ``output_hidden_states`` (CLIP skip), which passes it to ``text_model.encoder``; its input is
+#: ``inputs_embeds`` (B, 77, C) and the causal mask (B, 1, 77, 77). "open_clip": ldm's
+#: ``FrozenOpenCLIPEmbedder`` (SD2) and sgm's ``FrozenOpenCLIPEmbedder2`` (SDXL's OpenCLIP-bigG):
+#: ``encode_with_transformer`` embeds the tokens and calls ``text_transformer_forward(x, attn_mask)``
+#: with x in (77, B, C) layout and a fixed (77, 77) mask.
+TEXT_ENCODER_KINDS: tuple[TextEncoderKind, ...] = (
+    TextEncoderKind("clip", "CLIP", "transformer.text_model.encoder", "forward", ((3, (0,)), (4, (0,)))),
+    TextEncoderKind("open_clip", "OpenCLIP", "", "text_transformer_forward", ((3, (1,)),)),
+)
+
+#: (family, text encoder kinds in the order A1111 has them, name of the layout), sorted. SDXL's refiner
+#: (``sd_xl_refiner.yaml``) has only OpenCLIP-bigG; A1111 marks it ``is_sdxl`` like the base.
+TEXT_ENCODER_SETS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("sd1", ("clip",), "SD 1.x"),
+    ("sd2", ("open_clip",), "SD 2.x"),
+    ("sdxl", ("clip", "open_clip"), "SDXL base"),
+    ("sdxl", ("open_clip",), "SDXL refiner"),
 )
 
 FAMILIES: tuple[str, ...] = ("sd1", "sd2", "sdxl")
@@ -62,7 +92,9 @@ class Target:
     module: nn.Module
     """The module itself (as loaded now)."""
     method: str = "forward"
-    """The method of ``module`` that is routed ("forward", or e.g. "encode_with_transformer")."""
+    """The method of ``module`` that is routed ("forward", or e.g. "text_transformer_forward")."""
+    varying_dims: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    """Tensor rank -> dimensions that change between generations; None: the UNet/VAE default."""
 
     @property
     def label(self) -> str:
@@ -95,7 +127,7 @@ def model_family(model: Any) -> str:
 
 def _lookup(root: Any, path: str) -> Any:
     obj = root
-    for name in path.split("."):
+    for name in path.split(".") if path else ():
         if name.isdigit():
             try:
                 obj = obj[int(name)]
@@ -109,13 +141,65 @@ def _lookup(root: Any, path: str) -> Any:
 
 
 def _find_group(model: Any, part: str, group: str) -> Target | None:
-    for candidate in group.split("|"):
-        path, _, method = candidate.partition(":")
-        method = method or "forward"
+    for path in group.split("|"):
         module = _lookup(model, path)
-        if isinstance(module, nn.Module) and callable(getattr(type(module), method, None)):
-            return Target(part=part, path=path, module=module, method=method)
+        if isinstance(module, nn.Module):
+            return Target(part=part, path=path, module=module)
     return None
+
+
+def _join(*names: str) -> str:
+    return ".".join(n for n in names if n)
+
+
+def _text_encoder_target(embedder: Any, path: str) -> tuple[TextEncoderKind, Target] | None:
+    """What ``embedder`` (at ``path``; inside A1111's prompt wrapper or not) is, and its routed part."""
+    wrapped = getattr(embedder, "wrapped", None)
+    inner, inner_path = (wrapped, _join(path, "wrapped")) if isinstance(wrapped, nn.Module) else (embedder, path)
+    for kind in TEXT_ENCODER_KINDS:
+        module = _lookup(inner, kind.path)
+        if isinstance(module, nn.Module) and callable(getattr(type(module), kind.method, None)):
+            target = Target("text_encoder", _join(inner_path, kind.path), module, kind.method, kind.varying_dims)
+            return kind, target
+    return None
+
+
+def _text_encoder_candidates(model: Any, where: str) -> list[tuple[str, Any]]:
+    """(path, module) of each text encoder at ``where`` (a path, or "x.*": the prompt readers of list x)."""
+    if not where.endswith(".*"):
+        module = _lookup(model, where)
+        return [(where, module)] if module is not None else []
+    base = where[:-2]
+    modules = _lookup(model, base)
+    if modules is None:
+        return []
+    return [(f"{base}.{i}", m) for i, m in enumerate(modules) if getattr(m, "input_key", None) == "txt"]
+
+
+def find_text_encoders(model: Any, family: str) -> list[Target]:
+    """The routed part of each text encoder of ``model``, found by what it is.
+
+    Raises:
+        UnsupportedModel: when a text encoder is of an unknown kind, or the text encoders found are not a
+            combination A1111 loads for ``family`` (e.g. one is missing).
+    """
+    wheres = [w for f, part, paths in TARGET_TABLE if f == family and part == "text_encoder" for w in paths]
+    found: list[tuple[str, str, Target | None]] = []  # (kind name or class name, path, target)
+    for where in wheres:
+        for path, embedder in _text_encoder_candidates(model, where):
+            match = _text_encoder_target(embedder, path)
+            found.append((match[0].name, path, match[1]) if match else (type(embedder).__name__, path, None))
+    kinds = tuple(name for name, _path, _target in found)
+    layouts = [(expected, name) for f, expected, name in TEXT_ENCODER_SETS if f == family]
+    if any(sorted(kinds) == sorted(expected) for expected, _name in layouts):
+        return [target for _name, _path, target in found if target is not None]
+    labels = {kind.name: kind.label for kind in TEXT_ENCODER_KINDS}
+    seen = ", ".join(f"{labels.get(name, name)} at {path}" for name, path, _target in found)
+    expected = " or ".join(f"{' + '.join(labels[k] for k in kinds)} ({name})" for kinds, name in layouts)
+    raise UnsupportedModel(
+        f"The text encoders of this {family} checkpoint ({seen or 'none found at ' + ', '.join(wheres)}) are "
+        f"not a layout A1111 loads for it: expected {expected}. This image was made in plain PyTorch."
+    )
 
 
 def find_targets(model: Any, parts: tuple[str, ...]) -> list[Target]:
@@ -128,6 +212,9 @@ def find_targets(model: Any, parts: tuple[str, ...]) -> list[Target]:
     targets: list[Target] = []
     for row_family, part, groups in TARGET_TABLE:
         if row_family != family or part not in parts:
+            continue
+        if part == "text_encoder":
+            targets.extend(find_text_encoders(model, family))
             continue
         for group in groups:
             target = _find_group(model, part, group)

@@ -138,3 +138,19 @@ class RoutingSession:
                     key = f"{name}: {entry.label}" if name else entry.label
                     result[key] = result.get(key, 0) + entry.calls - before
         return result
+
+    def eager(self) -> dict[str, tuple[int, str]]:
+        """Route label (named as in :meth:`calls`) -> (calls dynamo ran in plain PyTorch, why); only routes
+        that had such calls."""
+        result: dict[str, tuple[int, str]] = {}
+        seen: set[int] = set()
+        with self._lock:
+            for run, name in zip(self.runs, self.run_names):
+                for entry, before in zip(run.entries, run.eager_before):
+                    if id(entry) in seen:
+                        continue
+                    seen.add(id(entry))
+                    if entry.eager_calls > before:
+                        key = f"{name}: {entry.label}" if name else entry.label
+                        result[key] = (entry.eager_calls - before, entry.eager_reason)
+        return result

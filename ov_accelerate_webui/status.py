@@ -32,6 +32,7 @@ def run_status(
     reports: Iterable[Any],
     stats: dict[str, float],
     switches: Sequence[str] = (),
+    eager: Mapping[str, tuple[int, str]] | None = None,
 ) -> str:
     """What ran in OpenVINO, what fell back to PyTorch and why, compile vs run time, cache hits, device.
 
@@ -41,6 +42,7 @@ def run_status(
         reports: the backend's compile reports made during the run.
         stats: the backend's counters accumulated during the run.
         switches: what happened when A1111 switched the model during the run (refiner, hires checkpoint).
+        eager: label of a routed module -> (calls torch.compile ran in plain PyTorch, why).
     """
     reports = list(reports)
     devices = sorted({str(getattr(r, "device", settings.device)) for r in reports}) or [settings.device]
@@ -48,6 +50,8 @@ def run_status(
     lines = [f"OpenVINO ({settings.infotext()}) on {', '.join(devices)}: {parts or 'nothing routed'}."]
     if switches:
         lines.append("Model switches during the generation: " + "; ".join(switches) + ".")
+    if eager:
+        lines.append(eager_line(eager, routed))
     lines.append(
         f"Compile {stats.get('compile_seconds', 0.0):.1f} s, run {stats.get('run_seconds', 0.0):.1f} s; "
         f"{int(stats.get('ov_calls', 0))} OpenVINO calls, {int(stats.get('eager_calls', 0))} PyTorch "
@@ -62,8 +66,20 @@ def run_status(
     if fallbacks:
         lines.append("Ran in PyTorch: " + "; ".join(f"{op} ({reason})" for op, reason in sorted(fallbacks.items())))
     else:
-        lines.append("Nothing fell back to PyTorch." if reports else "No new compile: compiled models reused.")
+        lines.append(
+            "No new compile: compiled models reused."
+            if not reports
+            else "No op of the graphs compiled in this run fell back to PyTorch."
+            if eager
+            else "Nothing fell back to PyTorch."
+        )
     return "\n".join(lines)
+
+
+def eager_line(eager: Mapping[str, tuple[int, str]], routed: Mapping[str, int]) -> str:
+    """The status line for routed calls that torch.compile ran in plain PyTorch."""
+    items = [f"{label} ({count} of {routed.get(label, count)} calls: {why})" for label, (count, why) in eager.items()]
+    return "Not accelerated, ran in plain PyTorch: " + "; ".join(items) + "."
 
 
 def to_html(text: str, kind: str = "info") -> str:

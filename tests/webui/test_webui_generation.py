@@ -17,7 +17,7 @@ def routed_modules(model: Any) -> dict[str, bool]:
         "unet": is_routed(model.model.diffusion_model),
         "vae_decoder": is_routed(model.first_stage_model.decoder),
         "vae_encoder": is_routed(model.first_stage_model.encoder),
-        "text_encoder": is_routed(model.cond_stage_model.wrapped.transformer),
+        "text_encoder": is_routed(model.cond_stage_model.wrapped.transformer.text_model.encoder),
     }
 
 

@@ -21,14 +21,14 @@ ROUTED = {
         ("model.diffusion_model", "forward"),
         ("first_stage_model.decoder", "forward"),
         ("first_stage_model.encoder", "forward"),
-        ("cond_stage_model.wrapped", "encode_with_transformer"),
+        ("cond_stage_model.wrapped", "text_transformer_forward"),
     ],
     "sdxl": [
         ("model.diffusion_model", "forward"),
         ("first_stage_model.decoder", "forward"),
         ("first_stage_model.encoder", "forward"),
-        ("conditioner.embedders.0.wrapped.transformer", "forward"),
-        ("conditioner.embedders.1.wrapped", "encode_with_transformer"),
+        ("conditioner.embedders.0.wrapped.transformer.text_model.encoder", "forward"),
+        ("conditioner.embedders.1.wrapped", "text_transformer_forward"),
     ],
 }
 

@@ -62,7 +62,7 @@ def test_each_control_reaches_backend_settings(fake_host: Any, extension: Extens
     assert {r.label for r in prepared.routes} == {
         "first_stage_model.decoder",
         "first_stage_model.encoder",
-        "cond_stage_model.wrapped.transformer",
+        "cond_stage_model.wrapped.transformer.text_model.encoder",
     }
 
     auto = from_ui_args(["CPU", True, False, False, PRECISION_AUTO, True, ""], extension.device_names())

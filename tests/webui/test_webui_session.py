@@ -99,7 +99,7 @@ def test_batch_size_and_count_with_a_prompt_longer_than_75_tokens(host: Any, ext
     # Per batch: the text encoder once per chunk (2 for the prompt, 1 for the empty negative prompt);
     # the UNet twice per step (cond with 154 tokens and uncond with 77 in separate calls); one decode
     # per image.
-    assert calls(status, "cond_stage_model.wrapped.transformer") == 2 * 3
+    assert calls(status, "cond_stage_model.wrapped.transformer.text_model.encoder") == 2 * 3
     assert calls(status, "model.diffusion_model") == 2 * 2 * 2
     assert calls(status, "first_stage_model.decoder") == 4
     assert "64x64 (batch 2)" in ext.ready_sizes_text()
