@@ -24,11 +24,12 @@ MASK = Image.fromarray(np.tile((np.arange(64) >= 24).astype(np.uint8) * 255, (64
 
 
 def routed_parts(model: Any) -> dict[str, bool]:
+    clip = getattr(model.cond_stage_model, "wrapped", model.cond_stage_model).transformer
     return {
         "unet": is_routed(model.model.diffusion_model),
         "vae_decoder": is_routed(model.first_stage_model.decoder),
         "vae_encoder": is_routed(model.first_stage_model.encoder),
-        "text_encoder": is_routed(getattr(model.cond_stage_model, "wrapped", model.cond_stage_model).transformer),
+        "text_encoder": is_routed(clip.text_model.encoder),
     }
 
 
@@ -210,5 +211,56 @@ def test_textual_inversion_embeddings_reach_the_compiled_text_encoder(fake_host:
         assert max_pixel_diff(routed_img, plain_img) <= IMAGE_TOLERANCE
         assert not torch.allclose(routed_c, without, atol=1e-3), "the embedding changes the conditioning"
     assert not torch.allclose(results["first", "routed"][0], results["second", "routed"][0], atol=1e-3)
-    assert "cond_stage_model.wrapped.transformer (" in extension.last_status
+    assert "cond_stage_model.wrapped.transformer.text_model.encoder (" in extension.last_status
     assert not any(routed_parts(fake_host.model).values())
+
+
+def sdxl_routed(model: Any) -> list[bool]:
+    """UNet, VAE decoder and each text encoder (found by what it is, as A1111 has them) routed?"""
+    states = [is_routed(model.model.diffusion_model), is_routed(model.first_stage_model.decoder)]
+    for embedder in model.conditioner.embedders:
+        inner = getattr(embedder, "wrapped", embedder)
+        if hasattr(inner, "transformer"):
+            states.append(is_routed(inner.transformer.text_model.encoder))
+        elif hasattr(inner, "text_transformer_forward"):
+            states.append(is_routed(inner, "text_transformer_forward"))
+    return states
+
+
+def test_sdxl_refiner_with_only_openclip_routes_its_unet_vae_and_text_encoder(
+    fake_host: Any, extension: Any, f32: Any
+) -> None:
+    from tiny_model import TinySDXLRefiner
+
+    base = load_family(fake_host, "sdxl")
+    info = fake_host.sd_models.CheckpointInfo(
+        str(fake_host.tmp_path / "tiny-sdxl-refiner.safetensors"),
+        "e" * 64,
+        config="sd_xl_refiner.yaml",  # another config than the base's: A1111 builds a new model object
+        factory=lambda: TinySDXLRefiner(seed=0),
+    ).register()
+    kwargs = {"refiner_checkpoint": info.title, "refiner_switch_at": 0.5, "steps": 4}
+    seen: list[tuple[Any, list[bool]]] = []
+    fake_host.callbacks.on_cfg_denoiser(
+        lambda params: seen.append((fake_host.shared.sd_model, sdxl_routed(fake_host.shared.sd_model)))
+    )
+    baseline = fake_host.processing.process_images(make_p(fake_host, base, **kwargs))
+    assert [len(r) for _m, r in seen] == [4, 4, 3, 3], "base: CLIP-L + OpenCLIP; refiner: OpenCLIP only"
+    seen.clear()
+
+    processed = extension.run(make_p(fake_host, **kwargs), f32)
+
+    models = list({id(m): m for m, _r in seen}.values())
+    assert [m.sd_checkpoint_info.title for m, _r in seen] == [models[0].sd_checkpoint_info.title] * 2 + [info.title] * 2
+    assert models[0].is_sdxl and models[1].is_sdxl and isinstance(models[1], TinySDXLRefiner)
+    assert all(all(r) for _m, r in seen), seen
+    assert not any(any(sdxl_routed(m)) for m in models), "base and refiner restored"
+    assert max_pixel_diff(processed, baseline) <= IMAGE_TOLERANCE
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, f32"' in processed.infotexts[0], "nothing ran in PyTorch"
+    status = extension.last_status
+    assert "tiny-sdxl-refiner: switched to a new model object, routed" in status, status
+    assert "tiny-sdxl-refiner: model.diffusion_model (2 calls)" in status, status
+    assert "tiny-sdxl-refiner: first_stage_model.decoder (1 call)" in status, status
+    # the conds of the prompt and the negative prompt, computed anew at the switch
+    assert "tiny-sdxl-refiner: conditioner.embedders.0.wrapped.text_transformer_forward (2 calls)" in status
+    assert "Not accelerated" not in status and "plain PyTorch" not in status

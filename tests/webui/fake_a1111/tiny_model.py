@@ -7,6 +7,8 @@
   ldm's ``FrozenOpenCLIPEmbedder``).
 * :class:`TinySDXL`: SDXL (sgm ``DiffusionEngine``): ``conditioner.embedders`` = [CLIP-L, OpenCLIP-bigG,
   3 size embedders], UNet forward with ``y``.
+* :class:`TinySDXLRefiner`: SDXL's refiner: ``conditioner.embedders`` = [OpenCLIP-bigG, 3 size embedders
+  (original size, crop, aesthetic score)], no CLIP-L.
 * :class:`TinySD1Inpainting`: an SD1 inpainting checkpoint: ``model.conditioning_key == "hybrid"`` and a
   UNet with 9 input channels (latent + mask + masked-image latent, concatenated by ``DiffusionWrapper``).
 The UNet and VAE of SD1 and SD2 come from the same seeded builders (same weights for the same seed).
@@ -274,17 +276,21 @@ class TinySDXL(nn.Module):
     """SDXL base as A1111 has it loaded (sgm ``DiffusionEngine`` with A1111's hijacked embedders)."""
 
     scale_factor = 0.13025
+    #: The size embedders after the text encoders: (input key, values per sample).
+    size_inputs: tuple[tuple[str, int], ...] = (
+        ("original_size_as_tuple", 2),
+        ("crop_coords_top_left", 2),
+        ("target_size_as_tuple", 2),
+    )
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
-        clip_l = FrozenCLIPEmbedder(build_clip(seed, CONTEXT_DIM // 2), layer="hidden", layer_idx=1)
-        clip_g = FrozenOpenCLIPEmbedder2(build_open_clip(seed, CONTEXT_DIM // 2))
-        sizes = ("original_size_as_tuple", "crop_coords_top_left", "target_size_as_tuple")
         self.seed = seed
         self.conditioner = GeneralConditioner(
-            [clip_l, clip_g, *(ConcatTimestepEmbedderND(SIZE_EMBED, key) for key in sizes)]
+            [*self.text_embedders(seed), *(ConcatTimestepEmbedderND(SIZE_EMBED, key) for key, _n in self.size_inputs)]
         )
-        self.model = OpenAIWrapper(LdmUNet(build_unet(seed, y_dim=POOLED + 3 * 2 * SIZE_EMBED)))
+        y_dim = POOLED + SIZE_EMBED * sum(n for _key, n in self.size_inputs)
+        self.model = OpenAIWrapper(LdmUNet(build_unet(seed, y_dim=y_dim)))
         self.first_stage_model = FirstStage(build_vae(seed))
         self.cond_stage_key = "txt"
         self.is_sd1, self.is_sd2, self.is_sdxl = False, False, True
@@ -293,14 +299,26 @@ class TinySDXL(nn.Module):
         self.sd_model_checkpoint = None
         self.eval()
 
+    def text_embedders(self, seed: int) -> list[nn.Module]:
+        """CLIP-L (hidden layer 1 of 2) and OpenCLIP-bigG; their widths add up to the UNet's context."""
+        clip_l = FrozenCLIPEmbedder(build_clip(seed, CONTEXT_DIM // 2), layer="hidden", layer_idx=1)
+        return [clip_l, FrozenOpenCLIPEmbedder2(build_open_clip(seed, CONTEXT_DIM // 2))]
+
     def get_learned_conditioning(self, batch: list[str], width: int = 1024, height: int = 1024) -> dict:
+        """A1111's ``sd_models_xl.get_learned_conditioning``: the prompt and the size conds; the
+        conditioner gives each embedder the input it reads (the refiner's reads the aesthetic score)."""
+        from modules import shared
+
         is_negative = getattr(batch, "is_negative_prompt", False)
+        opts = shared.opts
+        aesthetic = opts.sdxl_refiner_low_aesthetic_score if is_negative else opts.sdxl_refiner_high_aesthetic_score
         n = len(batch)
         conds = {
             "txt": list(batch),
             "original_size_as_tuple": torch.tensor([height, width], dtype=torch.float32).repeat(n, 1),
             "crop_coords_top_left": torch.tensor([0, 0], dtype=torch.float32).repeat(n, 1),
             "target_size_as_tuple": torch.tensor([height, width], dtype=torch.float32).repeat(n, 1),
+            "aesthetic_score": torch.tensor([aesthetic], dtype=torch.float32).repeat(n, 1),
         }
         zero = is_negative and all(x == "" for x in batch)
         return self.conditioner(conds, force_zero_embeddings=["txt"] if zero else [])
@@ -322,4 +340,21 @@ class TinySDXL(nn.Module):
         return x
 
 
-MODELS = {"sd1": TinyLatentDiffusion, "sd1-inpainting": TinySD1Inpainting, "sd2": TinySD2, "sdxl": TinySDXL}
+class TinySDXLRefiner(TinySDXL):
+    """SDXL's refiner as A1111 has it loaded (``sd_xl_refiner.yaml``): only the OpenCLIP-bigG text encoder
+    (its width is the UNet's context), size embedders for original size, crop and aesthetic score. A1111
+    marks it ``is_sdxl`` like the base; its hijack makes the one wrapped embedder ``cond_stage_model``."""
+
+    size_inputs = (("original_size_as_tuple", 2), ("crop_coords_top_left", 2), ("aesthetic_score", 1))
+
+    def text_embedders(self, seed: int) -> list[nn.Module]:
+        return [FrozenOpenCLIPEmbedder2(build_open_clip(seed, CONTEXT_DIM))]
+
+
+MODELS = {
+    "sd1": TinyLatentDiffusion,
+    "sd1-inpainting": TinySD1Inpainting,
+    "sd2": TinySD2,
+    "sdxl": TinySDXL,
+    "sdxl-refiner": TinySDXLRefiner,
+}

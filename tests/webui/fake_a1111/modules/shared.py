@@ -47,6 +47,8 @@ DEFAULTS: dict[str, Any] = {
     "show_progress_type": "Approx NN",
     "show_progress_grid": True,
     "live_preview_content": "Prompt",
+    "sdxl_refiner_low_aesthetic_score": 2.5,
+    "sdxl_refiner_high_aesthetic_score": 6.0,
 }
 
 
