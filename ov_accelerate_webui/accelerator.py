@@ -252,6 +252,7 @@ class Accelerator:
         return forward
 
     def _drop_all(self) -> None:
+        compiled_any = bool(self._compiled)
         for backend in self._backends.values():
             reset = getattr(backend, "reset", None)
             if reset is not None:
@@ -259,6 +260,14 @@ class Accelerator:
         self._backends.clear()
         self._counters.clear()
         self._compiled.clear()
+        if compiled_any:
+            # dynamo keeps each compiled variant on the function's code object, shared by every module
+            # object and backend; variants of dropped backends would count towards its recompile limit
+            # (8 per function), after which dynamo runs the function in PyTorch for the rest of the
+            # process. torch offers no per-function reset: reset it all (other torch.compile users in the
+            # process compile again on their next call).
+            logger.info("dropping dynamo's compiled variants with the compiled models (torch.compiler.reset)")
+            torch.compiler.reset()
 
     def reset(self) -> None:
         """Drop every compiled model in memory (the disk cache stays)."""

@@ -63,6 +63,7 @@ def why_eager(code: CodeType | None) -> str:
     if limit is not None and variants is not None and variants >= limit:
         return (
             f"torch.compile gave up on it: dynamo's recompile limit ({limit} compiled variants of "
-            f"{code.co_name}) is reached, so every new kind of input runs in PyTorch until the WebUI restarts"
+            f"{code.co_name}) is reached, so every new kind of input runs in PyTorch until another checkpoint "
+            "is loaded or the WebUI restarts"
         )
     return "torch.compile did not compile this call (see dynamo's warnings in the log)"
