@@ -151,7 +151,8 @@ def first_call_split_table(component: dict[str, Any]) -> str:
                             f"| {split['trace']:.1f} | {split['convert']:.1f} | {split['ov_compile']:.1f} "
                             f"| {split['run']:.1f} |")
         if cold and warm and cold["build"] > 0:
-            whole = _ratio_of(record.get("warm_first_call_seconds"), record.get("cold_first_call_seconds"))
+            warm_total, cold_total = record.get("warm_first_call_seconds"), record.get("cold_first_call_seconds")
+            whole = _num(warm_total / cold_total if warm_total and cold_total else None)
             rows.append(f"| {name} | warm/cold | {whole} | | {warm['build'] / cold['build']:.2f} | | | | |")
     if not rows:
         return ""
@@ -160,10 +161,6 @@ def first_call_split_table(component: dict[str, Any]) -> str:
                       "compile, cache reads and writes, weight hashing); run is the first inference.", "",
                       "| variant | process | first call | capture | build | trace | convert | OV compile | run |",
                       "|---|---|---|---|---|---|---|---|---|", *rows])
-
-
-def _ratio_of(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}" if a and b else "—"
 
 
 def short_report(text: str, keep: int = 4) -> str:

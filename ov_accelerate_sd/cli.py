@@ -35,21 +35,22 @@ def _err(text: str) -> None:
     sys.stderr.flush()
 
 
-def _multiple_of_8(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _multiple_of_8(text: str) -> int:
+    value = _integer(text)
     if value < 64 or value % 8:
         raise argparse.ArgumentTypeError(f"{value} must be a multiple of 8 and at least 64 (e.g. 512, 768)")
     return value
 
 
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
