@@ -2,15 +2,24 @@
 
 The script must still appear in the dropdown when openvino is missing or broken, so nothing here
 imports the backend at module import time.
+
+A1111 puts an extension's folder on ``sys.path`` only while it executes that extension's scripts and
+restores the previous ``sys.path`` right after, so at generation time a plain ``import ov_backend``
+fails with ModuleNotFoundError. The backend is therefore imported from this extension's own folder by
+location (:func:`import_sibling_package`), without touching ``sys.path``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -20,6 +29,34 @@ FIX_HINT = (
     "python -m pip install openvino==2026.4.1 (with the installed packages as constraints, as install.py "
     "does)."
 )
+
+
+#: The extension's root folder, which holds ``ov_backend`` beside this package.
+EXTENSION_ROOT = Path(__file__).resolve().parent.parent
+
+
+def import_sibling_package(name: str, root: Path = EXTENSION_ROOT) -> ModuleType:
+    """Import the top-level package ``name`` from ``root``, whether or not ``root`` is on ``sys.path``.
+
+    A package already in ``sys.modules`` is returned as is. Once the package is imported, its
+    submodules (``name.x``) import normally through the package's ``__path__``.
+
+    Raises:
+        ModuleNotFoundError: ``root`` holds no package ``name``.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.machinery.PathFinder.find_spec(name, [str(root)])
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"No module named {name!r} in {root}", name=name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
 
 
 class BackendUnavailable(Exception):
@@ -47,7 +84,7 @@ def load_backend() -> BackendApi:
         BackendUnavailable: with the import error and the fix.
     """
     try:
-        backend = importlib.import_module("ov_backend")
+        backend = import_sibling_package("ov_backend")
         devices = importlib.import_module("ov_backend.devices")
         cache = importlib.import_module("ov_backend.cache")
         return BackendApi(
