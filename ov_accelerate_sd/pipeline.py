@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -37,6 +38,36 @@ MAX_SEED = 2**32 - 1
 StepCallback = Callable[[int, int], None]
 
 
+class _WebUIGuidance:
+    """Classifier-free guidance at every CFG scale, as the WebUI does it.
+
+    The WebUI denoises with both the prompt and the negative prompt at any scale and combines
+    them as ``uncond + cfg * (cond - uncond)``: CFG 0 is the unconditional prediction, CFG 1 the
+    conditional one, 0.5 half way. diffusers skips the unconditional pass when the scale is at
+    most 1, which would give the conditional prediction for every scale in [0, 1].
+    """
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        return True
+
+
+class _Txt2Img(_WebUIGuidance, StableDiffusionPipeline):
+    pass
+
+
+class _Img2Img(_WebUIGuidance, StableDiffusionImg2ImgPipeline):
+    pass
+
+
+class _XLTxt2Img(_WebUIGuidance, StableDiffusionXLPipeline):
+    pass
+
+
+class _XLImg2Img(_WebUIGuidance, StableDiffusionXLImg2ImgPipeline):
+    pass
+
+
 class Interrupted(Exception):
     """Generation stopped on request after the current step; nothing of the batch was kept."""
 
@@ -49,6 +80,7 @@ class GenerationJob:
     negative_prompt: str = ""
     steps: int = 20
     cfg_scale: float = 7.0
+    """Classifier-free guidance scale, >= 0: ``uncond + cfg_scale * (cond - uncond)`` (0: unconditional)."""
     sampler: str = "Euler a"
     width: int = 512
     height: int = 512
@@ -75,6 +107,8 @@ class GenerationJob:
         for name in ("steps", "batch_size", "batch_count", "clip_skip"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.cfg_scale) and self.cfg_scale >= 0.0):
+            raise ValueError(f"CFG scale must be a finite number >= 0, got {self.cfg_scale}")
         if not 0.0 < self.denoising_strength <= 1.0:
             raise ValueError(f"denoising strength must be in (0, 1], got {self.denoising_strength}")
         if not -1 <= self.seed <= MAX_SEED:
@@ -122,18 +156,18 @@ class Generator:
         c = components
         scheduler = make_scheduler("Euler", c.scheduler_config)
         if c.family == "sdxl":
-            self.txt2img = StableDiffusionXLPipeline(
+            self.txt2img = _XLTxt2Img(
                 vae=c.vae, text_encoder=c.text_encoders[0], text_encoder_2=c.text_encoders[1],
                 tokenizer=c.tokenizers[0], tokenizer_2=c.tokenizers[1], unet=c.unet, scheduler=scheduler,
                 add_watermarker=False,
             )
-            self.img2img = StableDiffusionXLImg2ImgPipeline(**self.txt2img.components)
+            self.img2img = _XLImg2Img(**self.txt2img.components)
         else:
-            self.txt2img = StableDiffusionPipeline(
+            self.txt2img = _Txt2Img(
                 vae=c.vae, text_encoder=c.text_encoders[0], tokenizer=c.tokenizers[0], unet=c.unet,
                 scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
             )
-            self.img2img = StableDiffusionImg2ImgPipeline(**self.txt2img.components, requires_safety_checker=False)
+            self.img2img = _Img2Img(**self.txt2img.components, requires_safety_checker=False)
         for pipe in (self.txt2img, self.img2img):
             pipe.set_progress_bar_config(disable=True)
 
