@@ -39,6 +39,7 @@ class Extension:
         self._accelerator: Accelerator | None = None
         self.ready = ReadySizes()
         self.last_status = "No generation with OpenVINO yet."
+        self._last_run: dict[str, Any] = {"accelerated": False, "status": self.last_status}
         self._session: RoutingSession | None = None
 
     # --- backend -------------------------------------------------------------------------------
@@ -113,6 +114,8 @@ class Extension:
         if eager:
             logger.warning("Accelerate with OpenVINO: %s", eager_line(eager, calls))
         self.last_status = status
+        self._record_run(status, settings, calls, eager, accelerator.stats_since(prepared),
+                         accelerator.reports_since(prepared), session.events)
         if not host.state().interrupted:
             for checkpoint in session.checkpoints():
                 self._record_sizes(p, checkpoint, settings)
@@ -126,10 +129,45 @@ class Extension:
         if comment is not None:
             comment(message)
         self.last_status = message
+        with self._lock:
+            self._last_run = {"accelerated": False, "status": message}
         processed = host.process_images(p)
         if processed is not None and message not in (getattr(processed, "comments", "") or ""):
             processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + message).strip()
         return processed
+
+    def _record_run(
+        self,
+        status: str,
+        settings: AccelerateSettings,
+        calls: dict[str, int],
+        eager: dict[str, tuple[int, str]],
+        stats: dict[str, float],
+        reports: list[Any],
+        switches: list[str],
+    ) -> None:
+        fallbacks: dict[str, str] = {}
+        for report in reports:
+            fallbacks.update(getattr(report, "fallback_ops", {}) or {})
+        run = {
+            "accelerated": True,
+            "status": status,
+            "settings": settings.infotext(),
+            "calls": dict(calls),
+            "eager": {label: {"calls": n, "why": why} for label, (n, why) in eager.items()},
+            "compiles": len(reports),
+            "fallback_ops": fallbacks,
+            "switches": list(switches),
+            **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
+                                                   "run_seconds")},
+        }
+        with self._lock:
+            self._last_run = run
+
+    def last_run_report(self) -> dict[str, Any]:
+        """The last generation's status as data (what the HTTP status route returns)."""
+        with self._lock:
+            return dict(self._last_run)
 
     def _record_sizes(self, p: Any, checkpoint: str, settings: AccelerateSettings) -> None:
         label = settings.infotext()

@@ -1,0 +1,36 @@
+"""The real-host tier: a real AUTOMATIC1111 WebUI v1.10.1 (CPU, offline) with the extension cloned into
+its ``extensions/`` folder, driven over HTTP and in headless Chromium.
+
+Needs the test bed (``bash .ci/testbed``, which ``.ci/test`` runs); without it every test here is
+skipped with the reason. One WebUI process serves the whole module; tests that restart it say so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .webui import WebUI, testbed_ready, testbed_root
+
+PERTURB_EXTENSION = Path(__file__).with_name("ovtest-perturb")
+
+
+@pytest.fixture(scope="session")
+def webui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebUI]:
+    root = testbed_root()
+    if not testbed_ready(root):
+        message = f"no WebUI test bed in {root}: run `bash .ci/testbed` (or set A1111_ROOT)"
+        if os.environ.get("OV_REAL_WEBUI") == "require":
+            pytest.fail(message)
+        pytest.skip(message)
+    data = tmp_path_factory.mktemp("webui-data")
+    ui = WebUI(root, data, tmp_path_factory.mktemp("webui-logs"))
+    ui.prepare([PERTURB_EXTENSION])
+    ui.start()
+    try:
+        yield ui
+    finally:
+        ui.stop()

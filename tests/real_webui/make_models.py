@@ -1,0 +1,170 @@
+"""Builds the real-host tier's tiny SD-1.5-shaped checkpoints, their LDM configs and a LoRA.
+
+Run by the test bed's Python (the WebUI's venv, with the WebUI's ``repositories/`` importable), never
+by the project's own venv: the checkpoints are made by instantiating LDM's own classes from a small
+LDM config, so the WebUI loads them with its own code through the ``<name>.yaml`` placed beside each
+checkpoint (A1111 reads a config found there instead of guessing one from the weights).
+
+Usage: ``python make_models.py <webui folder> <data dir> <HF snapshot of CLIP-L's tokenizer>``.
+Writes into ``<data dir>/models``: ``Stable-diffusion/ovtest-tiny-{a,b}.{safetensors,yaml}``,
+``Lora/ovtest-lora.safetensors`` and the tiny CLIP text model's folder ``ovtest-clip/``.
+
+Random weights are made non-degenerate the way a trained model is: LDM zero-initialises every
+ResBlock's last conv and every transformer's output projection (the UNet would return 0 whatever the
+prompt), and a fresh CLIP ends in a LayerNorm of weight 1, bias 0 (conditioning mean ~1e-9, which
+A1111's emphasis step divides by). Both are re-initialised, and the result is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+WEBUI, DATA_DIR, CLIP_SNAPSHOT = sys.argv[1:4]
+sys.path[:0] = [os.path.join(WEBUI, "repositories", "stable-diffusion-stability-ai")]
+
+import pytorch_lightning.utilities.rank_zero  # noqa: E402
+import torch  # noqa: E402
+
+sys.modules.setdefault("pytorch_lightning.utilities.distributed", pytorch_lightning.utilities.rank_zero)
+import transformers  # noqa: E402
+from ldm.util import instantiate_from_config  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+MODELS = os.path.join(DATA_DIR, "models")
+CLIP_DIR = os.path.join(MODELS, "ovtest-clip")
+CLIP_CONFIG = {
+    "model_type": "clip_text_model",
+    "architectures": ["CLIPTextModel"],
+    "vocab_size": 49408,
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "projection_dim": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-05,
+    "attention_dropout": 0.0,
+    "dropout": 0.0,
+    "initializer_range": 0.02,
+    "initializer_factor": 1.0,
+    "bos_token_id": 49406,
+    "eos_token_id": 49407,
+    "pad_token_id": 1,
+    "torch_dtype": "float32",
+    "transformers_version": "4.30.2",
+}
+
+
+def ldm_config() -> dict:
+    """SD 1.5's layout (LDM classes, crossattn conditioning, 8x VAE) at a few thousandths of its size."""
+    base = OmegaConf.to_container(OmegaConf.load(os.path.join(WEBUI, "configs", "v1-inference.yaml")))
+    params = base["model"]["params"]
+    params["unet_config"]["params"].update(
+        model_channels=32,
+        attention_resolutions=[1, 2],
+        num_res_blocks=1,
+        channel_mult=[1, 2],
+        num_heads=2,
+        context_dim=CLIP_CONFIG["hidden_size"],
+    )
+    params["first_stage_config"]["params"]["ddconfig"].update(ch=32, ch_mult=[1, 1, 1, 1], num_res_blocks=1)
+    params["cond_stage_config"]["params"] = {"version": CLIP_DIR}
+    return base
+
+
+def write_clip_folder() -> None:
+    os.makedirs(CLIP_DIR, exist_ok=True)
+    for name in ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(CLIP_SNAPSHOT, name), os.path.join(CLIP_DIR, name))
+    with open(os.path.join(CLIP_DIR, "config.json"), "w") as f:
+        json.dump(CLIP_CONFIG, f, indent=2)
+
+
+def build(seed: int, config: dict) -> dict[str, torch.Tensor]:
+    # No weights exist offline: the CLIP text model is built from its config (random init).
+    transformers.CLIPTextModel.from_pretrained = classmethod(
+        lambda cls, name, *a, **k: cls(transformers.CLIPTextConfig.from_pretrained(name))
+    )
+    torch.manual_seed(seed)
+    model = instantiate_from_config(OmegaConf.create(config)["model"])
+    unet = model.model.diffusion_model
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in unet.modules():
+            if isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)) and not m.weight.any():
+                m.reset_parameters()
+        encoder = model.cond_stage_model
+        encoder.device = "cpu"
+        for m in encoder.transformer.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
+                m.bias.copy_(0.1 + 0.1 * torch.randn(m.bias.shape, generator=gen))
+        z = model.get_learned_conditioning(["", "a lighthouse", "(a red car:1.3)", "blurry"])
+        means = z.mean(dim=(1, 2))
+        assert means.abs().min() > 0.02 and z.isfinite().all(), f"conditioning means too close to 0: {means}"
+        # Scale the decoder's last conv so a typical latent decodes to mid-range pixels (not all clipped).
+        vae = model.first_stage_model
+        out = vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / model.scale_factor)
+        vae.decoder.conv_out.weight.mul_(0.5 / out.std())
+        vae.decoder.conv_out.bias.zero_()
+        image = ((vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / model.scale_factor) + 1) / 2).clamp(0, 1)
+        eps = unet(torch.randn(2, 4, 8, 8), torch.tensor([500, 500]), z[1:3])
+    assert eps.isfinite().all() and eps.std() > 0.05, f"UNet output std {eps.std()}"
+    clipped = float(((image <= 0) | (image >= 1)).float().mean())
+    assert 0.05 < float(image.std()) and clipped < 0.5, f"decoded image std {image.std()}, clipped {clipped}"
+    print(  # noqa: T201 (a script run by the test bed; its output is read on failure)
+        f"seed {seed}: conditioning means {[round(float(m), 3) for m in means]}, UNet eps std "
+        f"{float(eps.std()):.3f}, image std {float(image.std()):.3f} ({clipped:.0%} clipped)"
+    )
+    return {k: v.contiguous() for k, v in model.state_dict().items()}, model
+
+
+def write_lora(model) -> None:
+    """A rank-4 kohya LoRA on every attention projection of the UNet and every projection of the text
+    encoder, named as A1111's Lora extension looks them up."""
+    gen = torch.Generator().manual_seed(7)
+    tensors: dict[str, torch.Tensor] = {}
+    names = [
+        (f"lora_unet_{n.replace('.', '_')}", m)
+        for n, m in model.model.diffusion_model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in ("to_q", "to_k", "to_v") or n.endswith("to_out.0")
+    ]
+    names += [
+        (f"lora_te_{n.replace('.', '_')}", m)
+        for n, m in model.cond_stage_model.transformer.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "out_proj")
+    ]
+    rank = 4
+    for key, m in names:
+        down = torch.randn(rank, m.in_features, generator=gen) / m.in_features**0.5
+        up = torch.randn(m.out_features, rank, generator=gen) * (0.6 * float(m.weight.std()))
+        tensors[f"{key}.lora_down.weight"] = down
+        tensors[f"{key}.lora_up.weight"] = up
+        tensors[f"{key}.alpha"] = torch.tensor(float(rank))
+    os.makedirs(os.path.join(MODELS, "Lora"), exist_ok=True)
+    save_file(tensors, os.path.join(MODELS, "Lora", "ovtest-lora.safetensors"))
+    print(f"LoRA: {len(names)} layers")  # noqa: T201
+
+
+def main() -> None:
+    write_clip_folder()
+    config = ldm_config()
+    folder = os.path.join(MODELS, "Stable-diffusion")
+    os.makedirs(folder, exist_ok=True)
+    for name, seed in (("ovtest-tiny-a", 1), ("ovtest-tiny-b", 2)):
+        state, model = build(seed, config)
+        with open(os.path.join(folder, name + ".yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(OmegaConf.create(config)))
+        save_file(state, os.path.join(folder, name + ".safetensors.part"))
+        os.replace(os.path.join(folder, name + ".safetensors.part"), os.path.join(folder, name + ".safetensors"))
+        if seed == 1:
+            write_lora(model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Test-only always-on script for the real-host tier: adds seeded noise to one model part's output.
+
+It shows that a picture comparison could fail: with the UNet's, the VAE's or the text encoder's output
+perturbed by a small relative error, the picture must move beyond the tier's PSNR bound. It is also the
+"other always-on script" whose arguments follow ours in an API request. Arguments (API
+``alwayson_scripts``: ``{"ovtest perturb": {"args": [part, relative_std]}}``): part is "", "unet",
+"vae" or "te"; relative_std is the noise's standard deviation relative to the output's.
+"""
+
+import gradio as gr
+import torch
+from modules import scripts
+
+
+def _targets(model, part):
+    if part == "unet":
+        return model.model.diffusion_model, "forward"
+    if part == "vae":
+        return model.first_stage_model, "decode"
+    if part == "te":
+        return model.cond_stage_model.wrapped.transformer.text_model.final_layer_norm, "forward"
+    raise ValueError(f"unknown part {part!r}")
+
+
+class OvtestPerturb(scripts.Script):
+    def title(self):
+        return "ovtest perturb"
+
+    def show(self, is_img2img):
+        return scripts.AlwaysVisible
+
+    def ui(self, is_img2img):
+        return [gr.Textbox(value="", label="ovtest part"), gr.Number(value=0.0, label="ovtest relative std")]
+
+    def process(self, p, part="", relative_std=0.0, *args):
+        self._saved = None
+        if not part or not relative_std:
+            return
+        module, method = _targets(p.sd_model, part)
+        previous = module.__dict__.get(method)
+        inner = getattr(module, method)
+        generator = torch.Generator().manual_seed(99)
+
+        def perturbed(*a, **k):
+            out = inner(*a, **k)
+            noise = torch.randn(out.shape, generator=generator).to(out.dtype)
+            return out + noise * float(relative_std) * out.float().std().to(out.dtype)
+
+        setattr(module, method, perturbed)
+        self._saved = (module, method, previous)
+
+    def postprocess(self, p, processed, *args):
+        if getattr(self, "_saved", None) is None:
+            return
+        module, method, previous = self._saved
+        if previous is None:
+            module.__dict__.pop(method, None)
+        else:
+            setattr(module, method, previous)
+        self._saved = None

@@ -1,0 +1,233 @@
+"""Drives a real AUTOMATIC1111 WebUI v1.10.1 from the test bed: install the extension as a user does,
+start and stop the WebUI, call its HTTP API, compare pictures.
+
+The test bed is built by ``../shared/a1111/build-testbed.sh`` (``.ci/testbed`` calls it) into
+``$A1111_ROOT`` (default ``.testbed/a1111`` in the checkout). Each test session gets its own WebUI
+data folder (``--data-dir``: models, extensions, config, outputs), so the shared test bed is never
+changed.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[2]
+EXTENSION_NAME = "sd-webui-openvino-accelerate"
+SCRIPT_NAME = "accelerate with openvino"
+CHECKPOINT_A = "ovtest-tiny-a.safetensors"
+CHECKPOINT_B = "ovtest-tiny-b.safetensors"
+LAUNCH_FLAGS = [
+    "--skip-torch-cuda-test",
+    "--use-cpu",
+    "all",
+    "--no-half",
+    "--precision",
+    "full",
+    "--skip-version-check",
+    "--no-download-sd-model",
+    "--api",
+]
+
+
+def testbed_root() -> Path:
+    return Path(os.environ.get("A1111_ROOT") or ROOT / ".testbed" / "a1111")
+
+
+def testbed_ready(root: Path) -> bool:
+    return (
+        (root / "webui" / "launch.py").is_file()
+        and (root / "venv" / "bin" / "python").is_file()
+        and any((root / "hf-home" / "hub").glob("models--openai--clip-vit-large-patch14/snapshots/*/vocab.json"))
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def decode_image(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.float64)
+
+
+def encode_image(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB of two 8-bit pictures (inf when identical)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    mse = float(np.mean((a - b) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+@dataclass
+class Result:
+    images: list[np.ndarray]
+    info: dict[str, Any]
+    seconds: float
+    status: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def infotexts(self) -> list[str]:
+        return list(self.info.get("infotexts", []))
+
+
+class WebUI:
+    """One WebUI installation (data folder) that can be started, restarted and stopped."""
+
+    def __init__(self, testbed: Path, data_dir: Path, log_dir: Path) -> None:
+        self.testbed, self.data_dir, self.log_dir = testbed, data_dir, log_dir
+        self.webui = testbed / "webui"
+        self.python = testbed / "venv" / "bin" / "python"
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+        self.starts = 0
+        self.log_path: Path | None = None
+
+    # --- set-up ------------------------------------------------------------------------------------
+    def prepare(self, extra_extensions: list[Path]) -> None:
+        """Models made by LDM's own classes, the extension cloned into extensions/ as a user does."""
+        models = self.data_dir / "models"
+        if not (models / "Stable-diffusion" / CHECKPOINT_B).is_file():
+            snapshot = next(
+                (self.testbed / "hf-home" / "hub").glob("models--openai--clip-vit-large-patch14/snapshots/*")
+            )
+            subprocess.run(
+                [
+                    str(self.python),
+                    str(Path(__file__).with_name("make_models.py")),
+                    str(self.webui),
+                    str(self.data_dir),
+                    str(snapshot),
+                ],
+                cwd=self.webui,
+                env=self.env(),
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+        extensions = self.data_dir / "extensions"
+        extensions.mkdir(parents=True, exist_ok=True)
+        target = extensions / EXTENSION_NAME
+        if target.exists():
+            shutil.rmtree(target)
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(target)], check=True)
+        for folder in extra_extensions:
+            shutil.copytree(folder, extensions / folder.name, dirs_exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PYTEST"))}
+        venv = self.testbed / "venv"
+        env.update(
+            PATH=f"{venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
+            VIRTUAL_ENV=str(venv),
+            REQS_FILE=str(self.testbed / "requirements-a1111-py311.txt"),
+            LD_LIBRARY_PATH=str(self.testbed / "tvstub"),
+            HF_HOME=str(self.testbed / "hf-home"),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            DO_NOT_TRACK="1",
+            GRADIO_ANALYTICS_ENABLED="False",
+        )
+        return env
+
+    # --- process -----------------------------------------------------------------------------------
+    def start(self, timeout: float = 900) -> None:
+        self.port = free_port()
+        self.starts += 1
+        self.log_path = self.log_dir / f"webui-{self.starts}.log"
+        cmd = [
+            str(self.python),
+            "launch.py",
+            *LAUNCH_FLAGS,
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(self.data_dir),
+            "--ckpt",
+            str(self.data_dir / "models" / "Stable-diffusion" / CHECKPOINT_A),
+        ]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                cmd, cwd=self.webui, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        t0 = time.time()
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the WebUI exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                self.get("/sdapi/v1/sd-models", timeout=10)
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                if time.time() - t0 > timeout:
+                    raise RuntimeError(f"the WebUI did not answer in {timeout} s:\n{self.log_tail()}") from None
+                time.sleep(2)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(30)
+        self.process = None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    # --- HTTP ----------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def call(self, path: str, payload: Any = None, timeout: float = 1800, method: str | None = None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                body = response.read()
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{path} -> HTTP {exc.code}: {exc.read()[:2000]!r}\n{self.log_tail()}") from exc
+        return json.loads(body) if body else None
+
+    def get(self, path: str, timeout: float = 60) -> Any:
+        return self.call(path, timeout=timeout)
+
+    def generate(self, payload: dict[str, Any], kind: str = "txt2img") -> Result:
+        t0 = time.time()
+        response = self.call(f"/sdapi/v1/{kind}", payload)
+        seconds = time.time() - t0
+        return Result([decode_image(b) for b in response["images"]], json.loads(response["info"]), seconds)
+
+    def status(self) -> dict[str, Any]:
+        """The extension's report of its last run (``GET /openvino-accelerate/v1/status``)."""
+        return self.get("/openvino-accelerate/v1/status")
