@@ -27,10 +27,11 @@ class Loaded:
     def register_callbacks(self) -> None:
         """Register the A1111 callbacks (A1111 clears and re-runs them on reload)."""
         from .api import add_routes
-        from .ui import add_settings_section
+        from .ui import add_settings_section, on_infotext_pasted
 
         callbacks = host.script_callbacks()
         callbacks.on_ui_settings(lambda: add_settings_section(self.extension))
+        callbacks.on_infotext_pasted(lambda infotext, params: on_infotext_pasted(self.extension, infotext, params))
         callbacks.on_model_loaded(self.extension.on_model_loaded)
         callbacks.on_cfg_denoiser(self.extension.on_cfg_denoiser)
         callbacks.on_script_unloaded(self.extension.unload)

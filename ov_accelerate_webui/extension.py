@@ -15,6 +15,7 @@ from typing import Any
 from . import host
 from .accelerator import Accelerator
 from .backend_bridge import BackendApi, BackendUnavailable, load_backend
+from .infotext import generation_params
 from .model_parts import UnsupportedModel, checkpoint_key
 from .precompile import ReadySizes, Size, parse_sizes
 from .session import RoutingSession
@@ -22,8 +23,6 @@ from .settings import AccelerateSettings
 from .status import eager_line, format_bytes, run_status
 
 logger = logging.getLogger(__name__)
-
-INFOTEXT_KEY = "OpenVINO"
 
 
 class Extension:
@@ -83,11 +82,12 @@ class Extension:
             prepared = accelerator.prepare(model, settings, host.default_cache_dir())
         except (BackendUnavailable, UnsupportedModel) as exc:
             return self._run_plain(p, f"Accelerate with OpenVINO: {exc}", logging.WARNING)
-        p.extra_generation_params[INFOTEXT_KEY] = settings.infotext()
+        notes: list[str] = []
+        p.extra_generation_params.update(generation_params(settings))
 
         def unsupported(name: str, reason: str) -> None:
-            value = f"{settings.infotext()}; {name} in PyTorch"
-            p.extra_generation_params[INFOTEXT_KEY] = value
+            notes.append(f"{name} in PyTorch")
+            p.extra_generation_params.update(generation_params(settings, notes))
             comment = getattr(p, "comment", None)
             if comment is not None:
                 comment(f"Accelerate with OpenVINO: {name} ran in plain PyTorch: {reason}")

@@ -8,12 +8,13 @@ from typing import Any
 from . import host
 from .backend_bridge import BackendUnavailable
 from .extension import Extension
-from .settings import from_ui_args
+from .infotext import TITLE, infotext_fields, paste_field_names
+from .settings import FIELD_NAMES, from_ui_args
 from .ui import Panel, bind_refresh_after_generation, build_panel
 
 logger = logging.getLogger(__name__)
 
-TITLE = "Accelerate with OpenVINO"
+__all__ = ["TITLE", "make_script_class"]
 
 
 def make_script_class(extension: Extension) -> type:
@@ -33,6 +34,9 @@ def make_script_class(extension: Extension) -> type:
 
         def ui(self, is_img2img: bool) -> list[Any]:
             self.panel = build_panel(self, extension, is_img2img)
+            # Read by A1111 after ui(): pasting an infotext sets these controls (see infotext.py).
+            self.infotext_fields = infotext_fields(dict(zip(FIELD_NAMES, self.panel.args)))
+            self.paste_field_names = paste_field_names()
             return self.panel.args
 
         def after_component(self, component: Any, **kwargs: Any) -> None:

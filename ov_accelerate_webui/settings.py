@@ -3,6 +3,8 @@
 The field order of :class:`AccelerateSettings` is the order of the panel's controls, of
 ``Script.ui()``'s return value and therefore of ``script_args`` in ``/sdapi/v1/txt2img``. It is
 defined here once; the panel, the settings section and the JavaScript hints read it from here.
+How the settings are spelled in the "OpenVINO" infotext entry is defined once too, by
+:data:`INFOTEXT_ITEMS`: :func:`format_infotext` writes the entry and :func:`parse_infotext` reads it back.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +23,8 @@ PRECISIONS: tuple[str, ...] = (PRECISION_AUTO, PRECISION_F32)
 
 #: Part name -> short name used in the infotext and the status.
 PART_LABELS: dict[str, str] = {"text_encoder": "TE", "unet": "UNet", "vae": "VAE"}
+#: Precision -> its short name in the infotext (also accepted by :func:`build_settings`).
+PRECISION_NAMES: dict[str, str] = {PRECISION_AUTO: "auto", PRECISION_F32: "f32"}
 
 
 def _meta(label: str, hint: str) -> dict[str, str]:
@@ -88,11 +92,6 @@ class AccelerateSettings:
         """The parts to accelerate, sorted by name."""
         return tuple(name for name in sorted(PART_LABELS) if getattr(self, name))
 
-    def parts_label(self) -> str:
-        """E.g. "UNet+VAE+TE" (fixed order, as in the infotext)."""
-        order = ("unet", "vae", "text_encoder")
-        return "+".join(PART_LABELS[name] for name in order if getattr(self, name)) or "none"
-
     def backend_options(self, default_cache_dir: str) -> dict[str, Any]:
         """The options handed to ``ov_backend.build_settings``."""
         config: dict[str, str] = {}
@@ -106,14 +105,99 @@ class AccelerateSettings:
         }
 
     def infotext(self) -> str:
-        """The value of the "OpenVINO" infotext entry, e.g. "CPU, UNet+VAE+TE, f32"."""
-        precision = "f32" if self.precision == PRECISION_F32 else "auto"
-        return f"{self.device}, {self.parts_label()}, {precision}"
+        """The value of the "OpenVINO" infotext entry, e.g. "CPU, UNet+VAE+TE, f32" (see :func:`format_infotext`)."""
+        return format_infotext(self)
 
 
 FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(AccelerateSettings)
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 DEFAULTS = AccelerateSettings()
+
+
+class InfotextItem(NamedTuple):
+    """How one settings field is written in the "OpenVINO" infotext entry."""
+
+    field: str
+    """The settings field."""
+    name: str
+    """Its name in the infotext: a part's short name (written when the part is on); pasted as "OpenVINO <name>"."""
+    slot: int
+    """Position in the entry; slots are joined by ", "."""
+    spellings: Mapping[str, str] | None = None
+    """Value -> text in the entry; None: a text field is written as is, a boolean as its name when true."""
+
+
+#: The one table of the "OpenVINO" infotext entry, e.g. "CPU, UNet+VAE+TE, auto": slot 0 is the device,
+#: slot 1 the names of the parts that are on, joined by "+" (:data:`NO_PARTS` when none is), slot 2 the
+#: precision. The fields not listed (model_caching, cache_dir) belong to this machine, not to the image.
+INFOTEXT_ITEMS: tuple[InfotextItem, ...] = (
+    InfotextItem("device", "device", 0),
+    InfotextItem("unet", PART_LABELS["unet"], 1),
+    InfotextItem("vae", PART_LABELS["vae"], 1),
+    InfotextItem("text_encoder", PART_LABELS["text_encoder"], 1),
+    InfotextItem("precision", "precision", 2, PRECISION_NAMES),
+)
+INFOTEXT_SLOTS = 3
+#: Slot 1 when no part is on.
+NO_PARTS = "none"
+#: Separates the entry from a note the run added (e.g. "CPU, UNet+VAE+TE, auto; refiner in PyTorch").
+INFOTEXT_NOTE_SEPARATOR = "; "
+
+
+def format_infotext(settings: AccelerateSettings) -> str:
+    """The value of the "OpenVINO" infotext entry, written from :data:`INFOTEXT_ITEMS`."""
+    slots: list[list[str]] = [[] for _ in range(INFOTEXT_SLOTS)]
+    for item in INFOTEXT_ITEMS:
+        value = getattr(settings, item.field)
+        if isinstance(value, bool):
+            if value:
+                slots[item.slot].append(item.name)
+        else:
+            slots[item.slot].append(item.spellings[value] if item.spellings is not None else str(value))
+    return ", ".join("+".join(words) or NO_PARTS for words in slots)
+
+
+def parse_infotext(text: str) -> tuple[dict[str, Any], list[str]]:
+    """Read an "OpenVINO" infotext entry back into settings field values.
+
+    A note after :data:`INFOTEXT_NOTE_SEPARATOR` is ignored. A slot that cannot be read (an unknown
+    part or precision, a wrong number of slots) gives no values, only a problem saying what was wrong
+    and what would be right; the other slots are still read.
+
+    Returns:
+        (field name -> value, problems). Values are those of :class:`AccelerateSettings` (the device as
+        written, e.g. "GPU.0"; whether it exists on this machine is for the caller to check).
+    """
+    entry = text.split(INFOTEXT_NOTE_SEPARATOR, 1)[0].strip()
+    slots = [s.strip() for s in entry.rsplit(", ", INFOTEXT_SLOTS - 1)]
+    if len(slots) != INFOTEXT_SLOTS:
+        return {}, [f"expected 'device, parts, precision' (e.g. {DEFAULTS.infotext()!r}), got {text!r}"]
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for slot, slot_text in enumerate(slots):
+        items = [item for item in INFOTEXT_ITEMS if item.slot == slot]
+        if all(isinstance(getattr(DEFAULTS, item.field), bool) for item in items):
+            words = [] if slot_text == NO_PARTS else slot_text.split("+")
+            known = [item.name for item in items]
+            unknown = [word for word in words if word not in known]
+            if unknown:
+                problems.append(f"unknown part(s) {unknown}; parts are written as {'+'.join(known)} or {NO_PARTS}")
+                continue
+            values.update({item.field: item.name in words for item in items})
+            continue
+        (item,) = items
+        if item.spellings is None:
+            if slot_text:
+                values[item.field] = slot_text
+            else:
+                problems.append(f"empty {item.name}")
+            continue
+        by_text = {text: value for value, text in item.spellings.items()}
+        if slot_text in by_text:
+            values[item.field] = by_text[slot_text]
+        else:
+            problems.append(f"unknown {item.name} {slot_text!r}; known: {list(by_text)}")
+    return values, problems
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -145,9 +229,8 @@ def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None
     if device_names is not None and not _device_known(device, device_names):
         raise ValueError(f"Unknown OpenVINO device {device!r}; available: {['AUTO', *device_names]}")
     merged["device"] = device
-    precision = merged["precision"]
-    if precision in ("f32", "auto"):
-        precision = PRECISION_F32 if precision == "f32" else PRECISION_AUTO
+    by_name = {name: value for value, name in PRECISION_NAMES.items()}
+    precision = by_name.get(merged["precision"], merged["precision"])
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
     merged["precision"] = precision

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import host
 from .backend_bridge import BackendUnavailable
+from .infotext import expand_pasted
 from .settings import DEFAULTS, FIELD_NAMES, FIELDS, PRECISIONS, build_settings
 from .status import to_html
 
@@ -251,6 +252,14 @@ def _safe(fn: Any, fallback: str | None = None) -> str:
 
 def _attr(text: str) -> str:
     return text.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;")
+
+
+def on_infotext_pasted(extension: Any, infotext: str, params: dict[str, Any]) -> None:
+    """A1111's ``on_infotext_pasted`` callback: put the "OpenVINO" entry's values under the keys of the
+    panel's ``infotext_fields`` (see :func:`infotext.expand_pasted`); what cannot be pasted is also
+    shown to the user as a gradio warning."""
+    for problem in expand_pasted(params, _device_choices(extension)):
+        host.gradio().Warning(f"Accelerate with OpenVINO: not pasted: {problem}")
 
 
 def add_settings_section(extension: Any) -> None:
