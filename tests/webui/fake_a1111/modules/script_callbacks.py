@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ callback_map: dict[str, list[Callable[..., Any]]] = {
     "callbacks_script_unloaded": [],
     "callbacks_app_started": [],
     "callbacks_cfg_denoiser": [],
+    "callbacks_infotext_pasted": [],
 }
 
 
@@ -57,6 +59,10 @@ def on_cfg_denoiser(callback: Callable[[CFGDenoiserParams], None]) -> None:
     callback_map["callbacks_cfg_denoiser"].append(callback)
 
 
+def on_infotext_pasted(callback: Callable[[str, dict[str, Any]], None]) -> None:
+    callback_map["callbacks_infotext_pasted"].append(callback)
+
+
 def ui_settings_callback() -> None:
     for c in callback_map["callbacks_ui_settings"]:
         c()
@@ -70,6 +76,15 @@ def model_loaded_callback(sd_model: Any) -> None:
 def script_unloaded_callback() -> None:
     for c in callback_map["callbacks_script_unloaded"]:
         c()
+
+
+def infotext_pasted_callback(infotext: str, params: dict[str, Any]) -> None:
+    """As A1111: each callback may change ``params``; an exception is reported and the paste goes on."""
+    for c in callback_map["callbacks_infotext_pasted"]:
+        try:
+            c(infotext, params)
+        except Exception:
+            traceback.print_exc()
 
 
 def cfg_denoiser_callback(params: CFGDenoiserParams) -> None:

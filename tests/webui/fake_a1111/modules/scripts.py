@@ -48,13 +48,16 @@ class Script:
 class ScriptRunner:
     """Mirrors ``modules.scripts.ScriptRunner`` for dropdown scripts: ``setup_ui`` lays the scripts' ``ui()``
     components out after the dropdown (``inputs[0]``, the 1-based index of the chosen script), each
-    script gets ``args_from``/``args_to``; ``run(p, *args)`` calls the chosen script with its slice."""
+    script gets ``args_from``/``args_to``; ``run(p, *args)`` calls the chosen script with its slice.
+    Each script's ``infotext_fields`` and ``paste_field_names``, set in its ``ui()``, are collected."""
 
     def __init__(self, is_img2img: bool = False) -> None:
         self.is_img2img = is_img2img
         self.scripts: list[Script] = []
         self.selectable_scripts: list[Script] = []
         self.inputs: list[Any] = [None]
+        self.infotext_fields: list[tuple[Any, Any]] = []
+        self.paste_field_names: list[str] = []
 
     def add(self, script_class: type) -> Script:
         script = script_class()
@@ -71,6 +74,10 @@ class ScriptRunner:
     def setup_ui(self) -> list[Any]:
         for script in self.selectable_scripts:
             controls = script.ui(self.is_img2img) or []
+            if script.infotext_fields is not None:  # read after ui(), as create_script_ui_inner does
+                self.infotext_fields += script.infotext_fields
+            if script.paste_field_names is not None:
+                self.paste_field_names += script.paste_field_names
             script.args_from = len(self.inputs)
             self.inputs.extend(controls)
             script.args_to = len(self.inputs)

@@ -7,6 +7,11 @@ each script's ``ui()``), then the output panel (``generation_info_<tab>``, ``htm
 ``after_component(component, **kwargs)`` sees every component. Generate runs ``modules.txt2img``'s
 body: a processing object, ``runner.run(p, *args)`` or ``process_images(p)``, and returns the info
 JSON, the infotext and comments as HTML (what ``html_info`` shows), and a log line.
+
+The tools row's paste button (``#<tab>_tools #paste``, "Read generation parameters") reads the infotext
+in the prompt box into the tab's paste fields: the prompt, the scripts' ``infotext_fields`` and the
+Script dropdown, which ``ScriptRunner.setup_ui`` sets from the "Script" key (``infotext_utils``). The
+scripts' panels are always shown here (A1111 hides those of the scripts not chosen).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 import gradio as gr
 
-from modules import processing, scripts, shared
+from modules import infotext_utils, processing, scripts, shared
 
 
 @contextlib.contextmanager
@@ -58,12 +63,18 @@ def create_tab(runner: scripts.ScriptRunner) -> gr.Blocks:
     with component_hooks(runner), gr.Blocks(analytics_enabled=False) as demo:
         prompt = gr.Textbox(label="Prompt", elem_id=f"{tab}_prompt")
         submit = gr.Button("Generate", elem_id=f"{tab}_generate")
+        with gr.Row(elem_id=f"{tab}_tools"):
+            paste = gr.Button("\u2199\ufe0f", elem_id="paste")
         titles = [s.title() for s in runner.selectable_scripts]
         dropdown = gr.Dropdown(
             label="Script", elem_id="script_list", choices=["None", *titles], value=titles[0], type="index"
         )
         inputs = runner.setup_ui()
         inputs[0] = dropdown
+        runner.infotext_fields.append((dropdown, lambda x: gr.update(value=x.get("Script", "None"))))
+        fields = [(prompt, "Prompt"), *runner.infotext_fields]
+        infotext_utils.add_paste_fields(tab, None, fields)
+        infotext_utils.connect_paste(paste, fields, prompt, None, tab)
         generation_info = gr.Textbox(visible=False, elem_id=f"generation_info_{tab}")
         html_info = gr.HTML(elem_id=f"html_info_{tab}")
         html_log = gr.HTML(elem_id=f"html_log_{tab}")
