@@ -1,4 +1,4 @@
-"""Unit tests: settings, tokenizer files, sampler table, WebUI noise, prompt syntax, infotext."""
+"""Unit tests: settings, tokenizer files, sampler table, WebUI noise, infotext (prompts: test_prompts.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from PIL import Image
 
 from ov_accelerate_sd.noise import ImageNoise, image_seeds, initial_noise
 from ov_accelerate_sd.pnginfo import format_infotext, parse_infotext, read_png_infotext, save_png
-from ov_accelerate_sd.prompts import CHUNK_LENGTH, chunk_tokens, parse_prompt_attention
 from ov_accelerate_sd.samplers import SAMPLER_NAMES, SAMPLERS, make_scheduler, sampler_spec
 from ov_accelerate_sd.settings import SDSettings, build_sd_settings
 from ov_accelerate_sd.tokenizer import VOCAB_SIZE, clip_tokenizer
@@ -129,40 +128,6 @@ def test_generators_continue_after_the_first_draw() -> None:
     reference = torch.Generator("cpu").manual_seed(5)
     torch.randn((4, 8, 8), generator=reference)
     assert torch.equal(after, torch.randn((4, 8, 8), generator=reference))
-
-
-# -- prompts ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("normal text", [("normal text", 1.0)]),
-        ("an (important) word", [("an ", 1.0), ("important", 1.1), (" word", 1.0)]),
-        ("(unbalanced", [("unbalanced", 1.1)]),
-        ("\\(literal\\]", [("(literal]", 1.0)]),
-        ("(unnecessary)(parens)", [("unnecessaryparens", 1.1)]),
-        ("a (((house:1.3)) [on] a (hill:0.5), sun, (((sky))).",
-         [("a ", 1.0), ("house", 1.5730000000000004), (" ", 1.1), ("on", 1.0), (" a ", 1.1), ("hill", 0.55),
-          (", sun, ", 1.1), ("sky", 1.4641000000000006), (".", 1.1)]),
-        ("[word]", [("word", 1 / 1.1)]),
-        ("a BREAK b", [("a", 1.0), ("BREAK", -1.0), ("b", 1.0)]),
-    ],
-)
-def test_parse_prompt_attention_like_the_webui(text: str, expected: list) -> None:
-    got = parse_prompt_attention(text)
-    assert [t for t, _ in got] == [t for t, _ in expected]
-    assert [w for _, w in got] == pytest.approx([w for _, w in expected])
-
-
-def test_chunks_are_77_tokens_and_comma_backtrack() -> None:
-    tokens = list(range(1, 71)) + [999] + list(range(100, 110))  # comma at position 70
-    chunks = chunk_tokens([(tokens, 1.0)], 49406, 49407, 999)
-    assert len(chunks) == 2 and all(len(c.tokens) == CHUNK_LENGTH + 2 for c in chunks)
-    assert chunks[0].tokens[71] == 999 and chunks[0].tokens[72] == 49407  # cut after the comma
-    assert chunks[1].tokens[1:11] == list(range(100, 110))
-    broken = chunk_tokens([([1, 2], 1.2), (None, -1.0), ([3], 1.0)], 49406, 49407, None)
-    assert len(broken) == 2 and broken[0].weights[1:3] == [1.2, 1.2]
 
 
 # -- infotext ---------------------------------------------------------------------------------
