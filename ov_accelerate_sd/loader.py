@@ -14,7 +14,6 @@ import copy
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -27,6 +26,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from . import convert
 from .checkpoint import METADATA_CONFIG_KEY, Checkpoint, CheckpointError, load_state_dict, read_checkpoint
+from .files import atomic_path
 from .tokenizer import clip_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -192,14 +192,8 @@ def save_webui_checkpoint(
     stored = {k: config[k] for k in ("unet", "vae", "text_encoders", "scheduler") if k in config}
     metadata = {METADATA_CONFIG_KEY: json.dumps(stored), "family": family}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
     return path
 
 

@@ -15,13 +15,14 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
+
+from .files import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +71,18 @@ def parse_infotext(text: str) -> dict[str, str]:
 
 
 def save_png(image: Image.Image, path: str | os.PathLike, infotext: str) -> Path:
-    """Write a PNG with the infotext, atomically (a killed run leaves no half-written file)."""
+    """Write a PNG with the infotext, atomically (a killed run leaves no half-written file).
+
+    The file gets the mode the umask gives new files (0644 under umask 022).
+
+    Raises:
+        OSError: the PNG could not be written (folder missing or not writable, disk full, ...).
+    """
     path = Path(path)
     info = PngInfo()
     info.add_text(PNG_KEY, infotext)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.stem, suffix=".png.tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         image.save(tmp, format="PNG", pnginfo=info)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 
