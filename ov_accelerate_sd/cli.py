@@ -5,12 +5,17 @@ arguments (argparse message and exit code 2 on anything wrong, before any model 
 loads the checkpoint, routes it through ov_backend, renders the jobs, saves PNGs with the
 WebUI's infotext, and prints progress and a summary. The first Ctrl-C stops after the current
 sampler step (exit code 130), keeping the images already saved; a second one aborts.
+
+Each sub-command's parser carries its handler (``set_defaults``), so an error names that
+sub-command's usage. Parsing imports neither torch nor OpenVINO: ``--help`` and argument
+errors answer at once, and the handlers import what they need.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 import signal
 import sys
@@ -66,13 +71,14 @@ def _strength(text: str) -> float:
     return value
 
 
-def _sampler(text: str) -> str:
-    from .samplers import sampler_spec
-
+def _cfg_scale(text: str) -> float:
     try:
-        return sampler_spec(text).name
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0.0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0 (e.g. 7)")
+    return value
 
 
 def parse_size(text: str) -> int:
@@ -85,14 +91,16 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of all commands."""
+    """The argument parser of all commands; each sub-command sets ``handler`` and ``command_parser``."""
     parser = argparse.ArgumentParser(
         prog="python -m ov_backend", description="Stable Diffusion through OpenVINO, from WebUI checkpoints."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log compile reports and details")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,devices,cache,demo}")
 
-    gen = commands.add_parser("generate", help="render images from a WebUI .safetensors checkpoint")
+    gen = commands.add_parser("generate", help="render images from a WebUI .safetensors checkpoint",
+                              description="Render images from a WebUI checkpoint, with the WebUI's conventions.")
+    gen.set_defaults(handler=_generate, command_parser=gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path, help="WebUI checkpoint (.safetensors, or .ckpt)")
     source.add_argument("--demo", action="store_true",
@@ -101,18 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="the prompt (WebUI syntax: (word:1.2), [word], BREAK)")
     prompt.add_argument("--prompts-file", type=Path, help="one prompt per line; each line is one job")
-    gen.add_argument("--negative-prompt", default="")
+    gen.add_argument("--negative-prompt", default="", help="what to steer away from (WebUI syntax; default: none)")
     gen.add_argument("--steps", type=_positive, default=None, help="sampling steps (default 20; demo 8)")
-    gen.add_argument("--cfg-scale", type=float, default=7.0)
-    gen.add_argument("--sampler", type=_sampler, default="Euler a", help="WebUI sampler name, e.g. 'DPM++ 2M Karras'")
+    gen.add_argument("--cfg-scale", type=_cfg_scale, default=7.0,
+                     help="classifier-free guidance scale, >= 0, as in the WebUI: "
+                          "uncond + cfg * (cond - uncond); 0: negative prompt only, 1: prompt only (default 7)")
+    gen.add_argument("--sampler", default="Euler a", help="WebUI sampler name, e.g. 'DPM++ 2M Karras' "
+                     "(default 'Euler a')")
     gen.add_argument("--width", type=_multiple_of_8, default=None, help="multiple of 8 (default 512; demo 128)")
     gen.add_argument("--height", type=_multiple_of_8, default=None, help="multiple of 8 (default 512; demo 128)")
     gen.add_argument("--seed", type=int, default=-1, help="-1: random; image i of a job gets seed + i")
-    gen.add_argument("--batch-size", type=_positive, default=1)
-    gen.add_argument("--batch-count", type=_positive, default=1)
+    gen.add_argument("--batch-size", type=_positive, default=1,
+                     help="images rendered together in one batch (default 1)")
+    gen.add_argument("--batch-count", type=_positive, default=1,
+                     help="batches rendered one after the other for each prompt (default 1)")
     gen.add_argument("--init-image", type=Path, help="img2img: start from this image")
-    gen.add_argument("--denoising-strength", type=_strength, default=0.75)
-    gen.add_argument("--clip-skip", type=_positive, default=1)
+    gen.add_argument("--denoising-strength", type=_strength, default=0.75,
+                     help="img2img: how much of the init image is redrawn, in (0, 1] (default 0.75)")
+    gen.add_argument("--clip-skip", type=_positive, default=1,
+                     help="stop the text encoder this many layers before its last, as the WebUI's "
+                          "'Clip skip' (default 1: the last layer)")
     gen.add_argument("--device", default="CPU", help="OpenVINO device (see the devices command)")
     gen.add_argument("--precision", choices=("auto", "f32"), default="auto",
                      help="auto: the plugin chooses (bf16 on CPUs that have it); f32: force f32")
@@ -120,42 +136,50 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-cache", action="store_true", help="do not read or write the compiled-model cache")
     gen.add_argument("--pytorch", action="append", choices=PARTS, default=[], metavar="PART",
                      help=f"leave this part in PyTorch (repeatable; one of {', '.join(PARTS)})")
-    gen.add_argument("--out", type=Path, default=Path("outputs"), help="folder for the PNGs (default: outputs)")
+    gen.add_argument("--out", type=Path, default=Path("outputs"),
+                     help="folder for the PNGs, created if missing (default: outputs, in the current folder)")
 
-    commands.add_parser("devices", help="the devices OpenVINO sees, with full names and capabilities")
+    devices = commands.add_parser("devices", help="the devices OpenVINO sees, with full names and capabilities")
+    devices.set_defaults(handler=_devices, command_parser=devices)
 
     cache = commands.add_parser("cache", help="the compiled-model cache")
+    cache.set_defaults(handler=_cache, command_parser=cache)
     cache.add_argument("action", choices=("list", "clear", "prune"))
-    cache.add_argument("keys", nargs="*", help="clear: only these entries")
+    cache.add_argument("keys", nargs="*", help="clear: only these entries (keys as 'cache list' shows them)")
     cache.add_argument("--max-size", type=parse_size, help="prune: total size to keep (e.g. 2G, 500M)")
     cache.add_argument("--cache-dir", type=Path, help="cache folder (default: per-user cache folder)")
 
-    commands.add_parser("demo", help="ov_backend's own demo: compile a small CNN and compare with PyTorch",
-                        add_help=False)
+    demo = commands.add_parser("demo", help="ov_backend's own demo: compile a small CNN and compare with PyTorch")
+    demo.set_defaults(handler=_demo, command_parser=demo)
+    demo.add_argument("--device", default="CPU", help="OpenVINO device (see the devices command)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if argv[:1] == ["demo"]:
-        from ov_backend.demo import main as backend_demo
-
-        return backend_demo(argv)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "devices":
-        return _devices()
-    if args.command == "cache":
-        return _cache(parser, args)
+    return args.handler(args.command_parser, args)
+
+
+def _generate(parser: argparse.ArgumentParser, args: Any) -> int:
     from .generate_command import run_generate
 
     return run_generate(parser, args)
 
 
-def _devices() -> int:
+def _demo(parser: argparse.ArgumentParser, args: Any) -> int:
+    from ov_backend.demo import run_demo
+
+    try:
+        run_demo(args.device, _out, verbose=args.verbose)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 0
+
+
+def _devices(parser: argparse.ArgumentParser, args: Any) -> int:
     from ov_backend.devices import device_info
 
     for info in device_info():
@@ -191,6 +215,10 @@ def _cache(parser: argparse.ArgumentParser, args: Any) -> int:
             _out(f"{entry.key}  {_human(entry.size_bytes):>10}  {used}  {entry.description}")
         _out(f"{len(entries)} entries, {_human(sum(e.size_bytes for e in entries))} in {folder}")
     elif args.action == "clear":
+        unknown = sorted(set(args.keys) - {entry.key for entry in cache.entries()})
+        if unknown:
+            parser.error(f"no cache entries named {', '.join(unknown)} in {folder} "
+                         "('cache list' shows the keys; nothing was removed)")
         removed = cache.clear(args.keys or None)
         _out(f"removed {len(removed)} entries from {folder}")
     else:

@@ -2,7 +2,8 @@
 
 Built once under the per-user cache folder, so the first command on a fresh machine can run
 the whole standalone path (load a WebUI checkpoint, route it through OpenVINO, write PNGs)
-without downloading anything. Its images are noise: the weights are random.
+without downloading anything. Its images are noise: the weights are random. Importing this
+module loads nothing heavy (the command line reads its sizes while checking arguments).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .loader import random_components, save_webui_checkpoint, tiny_config
 from .paths import user_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -25,6 +25,8 @@ def demo_checkpoint(folder: str | Path | None = None) -> Path:
     path = Path(folder) if folder is not None else user_cache_dir() / "demo"
     path = path / DEMO_FILE
     if not path.is_file():
+        from .loader import random_components, save_webui_checkpoint, tiny_config
+
         config = tiny_config("sd1")
         unet, vae, encoders = random_components(config, seed=1234)
         save_webui_checkpoint(path, "sd1", config, unet, vae, encoders)

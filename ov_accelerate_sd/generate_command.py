@@ -1,14 +1,22 @@
 """The ``generate`` command: arguments -> jobs -> PNG files, with progress and a summary.
 
-Everything a user can get wrong is checked before the model loads (argparse message, exit 2).
+Everything a user can get wrong is checked before the model loads (argparse message, exit 2),
+the output folder included. A PNG that still cannot be saved is reported (file and reason) and
+the run goes on with the next image; the exit code is then 1.
+
+The summary keeps the first batch apart: it holds every part's first call (dynamo's capture and
+OpenVINO's compile), so the steady-state numbers (s/it, seconds per image) come from the steps
+and batches after it. A batch dropped by Ctrl-C adds its steps to s/it but no image.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +49,103 @@ def _next_number(folder: Path) -> int:
     return max(numbers, default=-1) + 1
 
 
-def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Path | None]:
-    """Jobs, SD settings and the checkpoint path (None for the demo), or exit 2."""
-    from PIL import Image, UnidentifiedImageError
+def out_folder_problem(folder: Path) -> str | None:
+    """Why PNGs could not be written into ``folder`` (created if missing), or None if they can."""
+    target = folder.absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    prefix = "" if existing == target else "cannot be created: "
+    if not existing.is_dir():
+        return f"{prefix}{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{prefix}{existing} is not writable"
+    return None
 
-    from .demo import DEMO_SIZE, DEMO_STEPS
-    from .pipeline import GenerationJob
-    from .settings import build_sd_settings
+
+class RunTimes:
+    """Timings of a run for its summary, from a clock (``time.perf_counter`` unless given).
+
+    Call ``batch_started`` before a batch, ``step`` after each sampler step, then ``batch_done``
+    with the images kept or ``batch_dropped``. The first batch is the warm-up (each part's first
+    call: dynamo capture and OpenVINO compile); s/it is the mean time between consecutive steps
+    of a batch (the time before a batch's first step, prompt encoding and in the first batch the
+    UNet's first call, is left out), and seconds per image come from the kept batches after the
+    first.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._batch_start = 0.0
+        self._last_step: float | None = None
+        self.batches = 0
+        self.first_batch_seconds: float | None = None
+        self.step_seconds = 0.0
+        self.step_intervals = 0
+        self.steady_seconds = 0.0
+        self.steady_images = 0
+
+    def batch_started(self) -> None:
+        self._batch_start = self._clock()
+        self._last_step = None
+
+    def step(self) -> None:
+        now = self._clock()
+        if self._last_step is not None:
+            self.step_seconds += now - self._last_step
+            self.step_intervals += 1
+        self._last_step = now
+
+    def _batch_ended(self) -> float:
+        seconds = self._clock() - self._batch_start
+        self.batches += 1
+        if self.batches == 1:
+            self.first_batch_seconds = seconds
+        return seconds
+
+    def batch_done(self, images: int) -> None:
+        seconds = self._batch_ended()
+        if self.batches > 1:
+            self.steady_seconds += seconds
+            self.steady_images += images
+
+    def batch_dropped(self) -> None:
+        self._batch_ended()
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return self.step_seconds / self.step_intervals if self.step_intervals else None
+
+    @property
+    def seconds_per_image(self) -> float | None:
+        """Per kept image after the first batch; None when there is none."""
+        return self.steady_seconds / self.steady_images if self.steady_images else None
+
+    def describe(self, compile_seconds: float | None) -> str:
+        """"first batch 7.1s (first calls: dynamo capture, OpenVINO compile 5.2s), then 0.21 s/it, ...".
+
+        Args:
+            compile_seconds: OpenVINO's compile time, None when no part runs through it.
+        """
+        if self.first_batch_seconds is None:
+            return "no batch finished"
+        text = f"first batch {self.first_batch_seconds:.1f}s"
+        if compile_seconds is not None:
+            text += f" (first calls: dynamo capture, OpenVINO compile {compile_seconds:.1f}s)"
+        steady = []
+        if self.seconds_per_step is not None:
+            steady.append(f"{self.seconds_per_step:.2f} s/it")
+        if self.seconds_per_image is not None:
+            steady.append(f"{self.seconds_per_image:.2f}s per image after the first batch")
+        return text + (", then " + ", ".join(steady) if steady else "")
+
+
+def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Path | None]:
+    """Jobs, SD settings and the checkpoint path (None for the demo), or exit 2.
+
+    Files, prompts and the output folder are checked first, before torch and OpenVINO load.
+    """
+    from PIL import Image, UnidentifiedImageError
 
     if args.checkpoint is not None and not args.checkpoint.is_file():
         parser.error(f"--checkpoint {args.checkpoint}: no such file")
@@ -60,8 +158,20 @@ def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Pa
                 init_image = img.convert("RGB")
         except (OSError, UnidentifiedImageError) as exc:
             parser.error(f"--init-image {args.init_image}: cannot read the image ({exc})")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} exists and is not a folder")
+    prompts = _prompts(parser, args)
+    problem = out_folder_problem(args.out)
+    if problem is not None:
+        parser.error(f"--out {args.out}: {problem}")
+
+    from .demo import DEMO_SIZE, DEMO_STEPS
+    from .pipeline import GenerationJob
+    from .samplers import sampler_spec
+    from .settings import build_sd_settings
+
+    try:
+        sampler = sampler_spec(args.sampler).name
+    except ValueError as exc:
+        parser.error(f"argument --sampler: {exc}")
     options: dict[str, Any] = {
         "device": args.device, "precision": args.precision, "model_caching": not args.no_cache,
         "accelerate": [p for p in ("text_encoder", "unet", "vae") if p not in args.pytorch],
@@ -78,11 +188,11 @@ def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Pa
             parser.error(str(exc))
     size = DEMO_SIZE if args.demo else 512
     jobs = []
-    for prompt in _prompts(parser, args):
+    for prompt in prompts:
         job = GenerationJob(
             prompt=prompt, negative_prompt=args.negative_prompt,
             steps=args.steps or (DEMO_STEPS if args.demo else 20), cfg_scale=args.cfg_scale,
-            sampler=args.sampler, width=args.width or size, height=args.height or size, seed=args.seed,
+            sampler=sampler, width=args.width or size, height=args.height or size, seed=args.seed,
             batch_size=args.batch_size, batch_count=args.batch_count, init_image=init_image,
             denoising_strength=args.denoising_strength, clip_skip=args.clip_skip,
         )
@@ -94,7 +204,7 @@ def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Pa
 
 
 def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
-    """Run ``generate``; returns the exit code (0, or 130 when stopped with Ctrl-C)."""
+    """Run ``generate``; returns the exit code: 0, 1 when a PNG could not be saved, 130 after Ctrl-C."""
     jobs, settings, checkpoint = _validate(parser, args)
     from tqdm import tqdm
 
@@ -126,50 +236,67 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
     _out(f"loaded {checkpoint} ({components.family}) in {load_seconds:.1f}s; OpenVINO on "
          f"{settings.device} for: {parts}")
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _err(f"error: cannot create --out {args.out}: {exc.strerror or exc}")
+        return 1
     number = _next_number(args.out)
     total = sum(job.images for job in jobs)
     saved: list[Path] = []
-    run_started = time.perf_counter()
+    failed: list[Path] = []
+    times = RunTimes()
     interrupted = False
     with StopRequest() as stop:
         try:
             for job_index, job in enumerate(jobs):
                 for batch in range(job.batch_count):
-                    label = f"image {len(saved) + 1}-{len(saved) + job.batch_size}/{total}"
+                    done = len(saved) + len(failed)
+                    label = f"image {done + 1}-{done + job.batch_size}/{total}"
                     if job.batch_size == 1:
-                        label = f"image {len(saved) + 1}/{total}"
+                        label = f"image {done + 1}/{total}"
                     bar = tqdm(total=job.steps, desc=label, unit="step", leave=False)
 
                     def on_step(step: int, steps: int, bar: Any = bar) -> None:
+                        times.step()
                         bar.total = steps
                         bar.n = step
                         bar.refresh()
 
+                    times.batch_started()
                     try:
                         images = generator.run_batch(job, batch, on_step, lambda: stop.requested)
+                    except Interrupted:
+                        times.batch_dropped()
+                        raise
                     finally:
                         bar.close()
+                    times.batch_done(len(images))
                     for item in images:
-                        path = save_png(item.image, args.out / f"{number:05d}-{item.seed}.png", item.infotext)
+                        path = args.out / f"{number:05d}-{item.seed}.png"
                         number += 1
+                        try:
+                            save_png(item.image, path, item.infotext)
+                        except OSError as exc:
+                            failed.append(path)
+                            _err(f"error: could not save {path}: {exc.strerror or exc}")
+                            continue
                         saved.append(path)
-                        _out(f"[{len(saved)}/{total}] job {job_index + 1}, seed {item.seed}: {path} "
+                        _out(f"[{len(saved) + len(failed)}/{total}] job {job_index + 1}, seed {item.seed}: {path} "
                              f"({item.seconds:.2f}s)")
         except Interrupted:
             interrupted = True
-    run_seconds = time.perf_counter() - run_started
     stats = accelerator.stats()
-    compile_seconds = float(stats.get("compile_seconds", 0.0))
     if args.verbose and accelerator.backend is not None:
         for report in accelerator.backend.reports:
             _err(report.summary())
-    per_image = run_seconds / len(saved) if saved else 0.0
-    _out(f"{len(saved)} image(s) in {args.out}: load {load_seconds:.1f}s, compile {compile_seconds:.1f}s, "
-         f"run {max(run_seconds - compile_seconds, 0.0):.1f}s, {per_image:.2f}s per image "
+    _out(f"{len(saved)} image(s) in {args.out}: load {load_seconds:.1f}s, "
+         f"{times.describe(float(stats.get('compile_seconds', 0.0)) if settings.accelerate else None)} "
          f"(OpenVINO calls {int(stats.get('ov_calls', 0))}, PyTorch calls {int(stats.get('eager_calls', 0))}, "
          f"cache hits {int(stats.get('cache_hits', 0))})")
+    if failed:
+        _err(f"error: {len(failed)} image(s) could not be saved in {args.out}")
     if interrupted:
         _err(f"stopped by Ctrl-C: kept {len(saved)} of {total} image(s)")
         return EXIT_INTERRUPTED
-    return 0
+    return 1 if failed else 0

@@ -5,34 +5,56 @@
 ``torch_dynamo_backends`` entry point does the same for an installed package without the
 import. ``torch.compile(model, backend=OVBackend(settings))`` keeps the compiled models,
 reports and counters in an object its owner can inspect and reset.
+
+The names below are loaded on first use (PEP 562). ``python -m ov_backend`` imports this
+package before its ``__main__``: then (``sys.argv[0]`` is ``"-m"`` while Python locates the
+module) nothing is imported here, so ``--help`` and argument errors answer without loading
+torch or OpenVINO; the command line loads them when a command needs them.
 """
 
 from __future__ import annotations
 
-from torch._dynamo.backends.registry import list_backends, register_backend
+import importlib
+import sys
+from typing import Any
 
-from ov_backend.backend import BACKEND_NAME, OVBackend, ov_backend
-from ov_backend.cache import CacheEntry, ModelCache
-from ov_backend.compiled import OpenVINOFallbackError
-from ov_backend.devices import DeviceInfo, device_info, list_devices
-from ov_backend.report import CompileReport, PartitionReport
-from ov_backend.settings import BackendSettings, build_settings
+_EXPORTS = {
+    "BACKEND_NAME": "ov_backend.backend",
+    "OVBackend": "ov_backend.backend",
+    "ov_backend": "ov_backend.backend",
+    "CacheEntry": "ov_backend.cache",
+    "ModelCache": "ov_backend.cache",
+    "OpenVINOFallbackError": "ov_backend.compiled",
+    "DeviceInfo": "ov_backend.devices",
+    "device_info": "ov_backend.devices",
+    "list_devices": "ov_backend.devices",
+    "CompileReport": "ov_backend.report",
+    "PartitionReport": "ov_backend.report",
+    "BackendSettings": "ov_backend.settings",
+    "build_settings": "ov_backend.settings",
+}
+__all__ = sorted(_EXPORTS, key=str.lower)
 
-__all__ = [
-    "BACKEND_NAME",
-    "BackendSettings",
-    "CacheEntry",
-    "CompileReport",
-    "DeviceInfo",
-    "ModelCache",
-    "OVBackend",
-    "OpenVINOFallbackError",
-    "PartitionReport",
-    "build_settings",
-    "device_info",
-    "list_devices",
-    "ov_backend",
-]
 
-if BACKEND_NAME not in list_backends(exclude_tags=()):
-    register_backend(name=BACKEND_NAME)(ov_backend)
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ov_backend' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+def _register_name() -> None:
+    from torch._dynamo.backends.registry import list_backends, register_backend
+
+    from ov_backend.backend import BACKEND_NAME, ov_backend
+
+    if BACKEND_NAME not in list_backends(exclude_tags=()):
+        register_backend(name=BACKEND_NAME)(ov_backend)
+
+
+if sys.argv[:1] != ["-m"]:
+    _register_name()

@@ -1,10 +1,14 @@
-"""``python -m ov_backend demo``: compile a small CNN with ov_backend and compare it with PyTorch."""
+"""``python -m ov_backend demo``: compile a small CNN with ov_backend and compare it with PyTorch.
+
+The command line parses the arguments and configures logging; ``run_demo`` does the work and
+hands each line of its output to the ``write`` callable it is given.
+"""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -12,6 +16,8 @@ from ov_backend.backend import OVBackend
 from ov_backend.devices import device_info
 
 logger = logging.getLogger(__name__)
+
+INPUT_SIZES = (32, 48, 64)
 
 
 def _model() -> torch.nn.Module:
@@ -23,30 +29,37 @@ def _model() -> torch.nn.Module:
     ).eval()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ov_backend")
-    parser.add_argument("command", choices=["demo"], help="demo: compile a small CNN and compare with PyTorch")
-    parser.add_argument("--device", default="CPU")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for name in ("torch", "torch._dynamo"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    logger.info("OpenVINO devices: %s", ", ".join(d.label for d in device_info()))
-    try:
-        backend = OVBackend({"device": args.device, "config": {"INFERENCE_PRECISION_HINT": "f32"}})
-    except ValueError as err:
-        parser.error(str(err))
+def run_demo(device: str, write: Callable[[str], None], verbose: bool = False) -> float:
+    """Compile a small CNN on ``device``, run it at three input sizes and compare with PyTorch.
+
+    Args:
+        device: OpenVINO device name ("CPU", "GPU.0", ...).
+        write: receives each output line.
+        verbose: also write each compile report.
+
+    Returns:
+        The largest difference between OpenVINO's and PyTorch's outputs.
+
+    Raises:
+        ValueError: unknown device (the message lists the available ones).
+    """
+    backend = OVBackend({"device": device, "config": {"INFERENCE_PRECISION_HINT": "f32"}})
+    write(f"OpenVINO devices: {', '.join(d.label for d in device_info())}")
     model = _model()
     compiled = torch.compile(model, backend=backend)
+    worst = 0.0
     with torch.no_grad():
-        for size in (32, 48, 64):
+        for size in INPUT_SIZES:
             x = torch.randn(2, 3, size, size)
             start = time.perf_counter()
             got = compiled(x)
             seconds = time.perf_counter() - start
             diff = (got - model(x)).abs().max().item()
-            logger.info("input %dx%d: first call %.2fs, max |OpenVINO - PyTorch| = %.2e", size, size, seconds, diff)
-    for report in backend.reports:
-        logger.info("%s", report.summary())
-    logger.info("stats: %s", backend.stats())
-    return 0
+            worst = max(worst, diff)
+            write(f"input {size}x{size}: first call {seconds:.2f}s, max |OpenVINO - PyTorch| = {diff:.2e}")
+    if verbose:
+        for report in backend.reports:
+            write(report.summary())
+    stats = backend.stats()
+    write("stats: " + ", ".join(f"{k} {v:g}" for k, v in stats.items()))
+    return worst

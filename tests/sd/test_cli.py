@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ov_accelerate_sd.cli import main, parse_size
+from ov_accelerate_sd.cli import build_parser, main, parse_size
+from ov_accelerate_sd.generate_command import RunTimes
 from ov_accelerate_sd.pnginfo import parse_infotext, read_png_infotext
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,17 +45,28 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
         (["generate", "--demo", "--precision", "fp8"], "invalid choice: 'fp8'"),
         (["generate", "--demo", "--denoising-strength", "1.5"], "must be in (0, 1]"),
         (["generate", "--demo", "--batch-size", "0"], "must be at least 1"),
+        (["generate", "--demo", "--cfg-scale", "-1"], "argument --cfg-scale: -1 must be a finite number >= 0"),
+        (["generate", "--demo", "--cfg-scale", "nan"], "argument --cfg-scale: nan must be a finite number >= 0"),
+        (["generate", "--demo", "--cfg-scale", "inf"], "argument --cfg-scale: inf must be a finite number >= 0"),
+        (["generate", "--demo", "--cfg-scale", "x"], "argument --cfg-scale: 'x' is not a number"),
         (["generate", "--prompt", "x"], "one of the arguments --checkpoint --demo is required"),
         (["generate", "--demo", "--init-image", "/no/such.png"], "cannot read the image"),
         (["cache", "prune"], "needs --max-size"),
         (["cache", "list", "--max-size", "2G"], "only applies to 'cache prune'"),
         (["cache", "prune", "--max-size", "lots"], "is not a size"),
+        (["cache", "clear", "nosuchkey"], "no cache entries named nosuchkey"),
+        (["demo", "--device", "NOPE"], "NOPE"),
         (["frobnicate"], "invalid choice"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv: list, message: str, capsys, tmp_path: Path) -> None:
-    assert message in _usage_error(argv + (["--out", str(tmp_path / "o")] if argv[0] == "generate" else []),
-                                   capsys)
+    extra = {"generate": ["--out", str(tmp_path / "o")], "cache": ["--cache-dir", str(tmp_path / "c")]}
+    err = _usage_error(argv + extra.get(argv[0], []), capsys)
+    assert message in err
+    # The usage line is the sub-command's, not the top-level one.
+    usage = next(line for line in err.splitlines() if line.startswith("usage:"))
+    assert usage.startswith(f"usage: python -m ov_backend {argv[0]}" if argv[0] != "frobnicate"
+                            else "usage: python -m ov_backend [-h]"), usage
     assert not (tmp_path / "o").exists()
 
 
@@ -61,7 +76,8 @@ def test_bad_checkpoint_is_a_usage_error(tmp_path: Path, capsys) -> None:
     err = _usage_error(["generate", "--checkpoint", str(bad), "--prompt", "x", *SMALL, "--out",
                         str(tmp_path / "o"), *PYTORCH_ONLY], capsys)
     assert str(bad) in err and "not a safetensors file" in err
-    assert not list((tmp_path / "o").glob("*.png")) if (tmp_path / "o").exists() else True
+    assert "usage: python -m ov_backend generate" in err
+    assert not (tmp_path / "o").exists()  # the output folder is made only once the model has loaded
 
 
 def test_parse_size() -> None:
@@ -85,8 +101,10 @@ def test_prompts_file_batches_and_img2img(tmp_path: Path, sd1_checkpoint: Path, 
     assert info["Sampler"] == "DPM++ 2M" and info["Schedule type"] == "Karras" and info["Size"] == "64x64"
     assert info["Model"] == sd1_checkpoint.stem and len(info["Model hash"]) == 10
     assert info["OpenVINO parts"] == "none"
-    summary = capsys.readouterr().out
-    assert "8 image(s)" in summary and "per image" in summary
+    summary = capsys.readouterr().out.splitlines()[-1]
+    # 4 batches: the first is the warm-up, the 3 after it give seconds per image; 1 interval per batch gives s/it.
+    assert summary.startswith(f"8 image(s) in {out}: load ")
+    assert "first batch " in summary and " s/it" in summary and "s per image after the first batch" in summary
 
     code = main(["generate", "--checkpoint", str(sd1_checkpoint), "--prompt", "x", "--init-image", str(files[0]),
                  "--denoising-strength", "0.5", "--seed", "1", *SMALL, "--out", str(out), *PYTORCH_ONLY])
@@ -102,13 +120,22 @@ def test_demo_through_openvino_then_cache_commands(tmp_path: Path, capsys) -> No
                 "--cache-dir", str(cache), "--out", str(out))
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr
-    assert "OpenVINO calls" in stdout and "compile" in stdout and "per image" in stdout
+    summary = stdout.splitlines()[-1]
+    assert summary.startswith(f"1 image(s) in {out}: load "), stdout
+    assert "first batch" in summary and "OpenVINO compile" in summary and " s/it" in summary
+    assert "per image" not in summary  # one batch only: nothing after the warm-up to measure it on
+    assert "OpenVINO calls" in summary
     info = parse_infotext(read_png_infotext(out / "00000-3.png"))
     assert info["OpenVINO device"] == "CPU" and info["OpenVINO parts"] == "text_encoder+unet+vae"
 
     assert main(["cache", "list", "--cache-dir", str(cache)]) == 0
     listed = capsys.readouterr().out
     assert "entries" in listed and not listed.startswith("0 entries")
+    key = listed.split()[0]
+    err = _usage_error(["cache", "clear", key, "nosuchkey", "--cache-dir", str(cache)], capsys)
+    assert "no cache entries named nosuchkey" in err and "nothing was removed" in err and key not in err
+    assert main(["cache", "list", "--cache-dir", str(cache)]) == 0
+    assert capsys.readouterr().out == listed
     assert main(["cache", "prune", "--max-size", "0", "--cache-dir", str(cache)]) == 0
     assert capsys.readouterr().out.startswith("removed")
     assert main(["cache", "clear", "--cache-dir", str(cache)]) == 0
@@ -137,3 +164,167 @@ def test_ctrl_c_stops_after_the_current_step_and_keeps_saved_images(tmp_path: Pa
     saved = sorted(p.name for p in out.iterdir())
     assert saved[0] == "00000-1.png" and 1 <= len(saved) < 6
     assert all(name.endswith(".png") for name in saved)  # nothing half-written
+
+
+def test_every_option_has_help_text() -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {action.option_strings or action.dest}"
+               for name, sub in commands.choices.items() for action in sub._actions
+               if not action.help and not isinstance(action, argparse._HelpAction) and action.dest != "action"]
+    assert missing == []
+
+
+def _imports(argv: list[str], cwd: Path) -> tuple[int, str, set[str]]:
+    """Exit code, output and the modules a ``python -m ov_backend`` process imported (``-X importtime``)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "ov_backend", *argv], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    modules = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    output = "\n".join(line for line in (done.stdout + done.stderr).splitlines() if not line.startswith("import time:"))
+    return done.returncode, output, modules
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["--help"], 0),
+        (["generate", "--help"], 0),
+        (["cache", "--help"], 0),
+        (["demo", "--help"], 0),
+        (["frobnicate"], 2),
+        (["generate", "--prompt", "x"], 2),
+        (["generate", "--demo", "--cfg-scale", "nan"], 2),
+        (["generate", "--demo", "--width", "100"], 2),
+        (["generate", "--demo", "--prompt", "x", "--out", "blocker/o"], 2),
+        (["generate", "--checkpoint", "missing.safetensors", "--prompt", "x"], 2),
+    ],
+)
+def test_help_and_argument_errors_load_neither_torch_nor_openvino(argv: list, code: int, tmp_path: Path) -> None:
+    (tmp_path / "blocker").write_text("a file, not a folder")
+    returncode, output, modules = _imports(argv, tmp_path)
+    assert returncode == code, output
+    assert "ov_accelerate_sd.cli" in modules  # the import list is read correctly
+    assert not modules & {"torch", "openvino", "diffusers"}, output
+
+
+def test_a_command_that_needs_openvino_loads_it(tmp_path: Path) -> None:
+    # The counterpart of the test above: the same import list does show OpenVINO when it loads.
+    returncode, output, modules = _imports(["devices"], tmp_path)
+    assert returncode == 0, output
+    assert "openvino" in modules
+
+
+@pytest.mark.parametrize("verbose", [[], ["-v"]], ids=["quiet", "verbose"])
+@pytest.mark.parametrize("command", ["devices", "cache", "demo", "generate"])
+def test_every_sub_command_runs_with_and_without_verbose(command: str, verbose: list, tmp_path: Path,
+                                                         sd1_checkpoint: Path, capsys) -> None:
+    argv = {
+        "devices": ["devices"],
+        "cache": ["cache", "list", "--cache-dir", str(tmp_path / "cache")],
+        "demo": ["demo"],
+        "generate": ["generate", "--checkpoint", str(sd1_checkpoint), "--prompt", "x", "--seed", "2", *SMALL,
+                     "--out", str(tmp_path / "out"), *PYTORCH_ONLY],
+    }[command]
+    assert main([*verbose, *argv]) == 0
+    out = capsys.readouterr().out
+    if command == "devices":
+        assert out.startswith("CPU")
+    elif command == "cache":
+        assert out.startswith("0 entries")
+    elif command == "demo":
+        diffs = [float(d) for d in re.findall(r"max \|OpenVINO - PyTorch\| = (\S+)", out)]
+        assert len(diffs) == 3 and max(diffs) < 1e-4, out
+        assert ("partition" in out.lower()) == bool(verbose), out  # -v adds the compile reports
+    else:
+        assert (tmp_path / "out" / "00000-2.png").is_file()
+
+
+def test_out_folder_that_cannot_be_created_is_refused_before_rendering(tmp_path: Path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("a file")
+    err = _usage_error(["generate", "--demo", "--prompt", "x", "--out", str(blocker / "sub" / "o")], capsys)
+    assert f"--out {blocker / 'sub' / 'o'}: cannot be created: {blocker} is not a folder" in err
+    err = _usage_error(["generate", "--demo", "--prompt", "x", "--out", str(blocker)], capsys)
+    assert f"--out {blocker}: {blocker} is not a folder" in err
+    assert "usage: python -m ov_backend generate" in err
+
+
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="root may write into a read-only folder")
+def test_out_folder_that_is_not_writable_is_refused_before_rendering(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    err = _usage_error(["generate", "--demo", "--prompt", "x", "--out", str(folder)], capsys)
+    assert f"--out {folder}: {folder} is not writable" in err
+    err = _usage_error(["generate", "--demo", "--prompt", "x", "--out", str(folder / "new")], capsys)
+    assert f"cannot be created: {folder} is not writable" in err
+
+
+def test_a_png_that_cannot_be_saved_is_reported_and_the_run_goes_on(tmp_path: Path, sd1_checkpoint: Path, capsys,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from PIL import Image
+
+    real_save = Image.Image.save
+
+    def save(image: Image.Image, fp, *args, **kwargs):  # the disk is full while the second PNG is written
+        if "00001-" in str(fp):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(fp))
+        return real_save(image, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+    out = tmp_path / "out"
+    code = main(["generate", "--checkpoint", str(sd1_checkpoint), "--prompt", "x", "--seed", "4", "--batch-count",
+                 "3", *SMALL, "--out", str(out), *PYTORCH_ONLY])
+    assert code == 1
+    captured = capsys.readouterr()
+    assert f"error: could not save {out / '00001-5.png'}: {os.strerror(errno.ENOSPC)}" in captured.err
+    assert sorted(p.name for p in out.iterdir()) == ["00000-4.png", "00002-6.png"]  # no temporary file left
+    assert f"2 image(s) in {out}" in captured.out
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_run_times_keep_the_first_batch_and_the_dropped_batch_apart() -> None:
+    clock = FakeClock()
+    times = RunTimes(clock)
+
+    def batch(step_ends: list[float], end: float, kept: int | None) -> None:
+        times.batch_started()
+        for t in step_ends:
+            clock.now = t
+            times.step()
+        clock.now = end
+        times.batch_done(kept) if kept is not None else times.batch_dropped()
+
+    # First batch: 6 s until its first step (capture + compile), then 0.5 s steps, 1 s decode (first VAE call).
+    batch([106.0, 106.5, 107.0], 108.0, kept=2)
+    # Steady batches of 2 images: 0.2 s before the first step, 0.5 s steps, 0.3 s decode -> 1.5 s, 0.75 s per image.
+    batch([108.2, 108.7, 109.2], 109.5, kept=2)
+    batch([109.7, 110.2, 110.7], 111.0, kept=2)
+    # Ctrl-C: one interval of 0.5 s, then dropped; its time gives no image.
+    batch([111.2, 111.7], 111.8, kept=None)
+    assert times.first_batch_seconds == pytest.approx(8.0)
+    assert times.seconds_per_step == pytest.approx(0.5)  # 7 intervals, none with a first call or prompt encoding
+    assert times.seconds_per_image == pytest.approx(0.75)
+    text = times.describe(compile_seconds=4.0)
+    assert text == ("first batch 8.0s (first calls: dynamo capture, OpenVINO compile 4.0s), "
+                    "then 0.50 s/it, 0.75s per image after the first batch")
+
+
+def test_run_times_with_one_batch_give_no_steady_per_image_time() -> None:
+    clock = FakeClock()
+    times = RunTimes(clock)
+    times.batch_started()
+    clock.now = 103.0
+    times.step()
+    clock.now = 104.0
+    times.batch_done(1)
+    assert times.seconds_per_image is None and times.seconds_per_step is None
+    assert times.describe(None) == "first batch 4.0s"
