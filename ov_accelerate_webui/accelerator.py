@@ -12,54 +12,43 @@ Every routed call is checked: if dynamo ran it without any compiled graph (it ga
 e.g. after its recompile limit, and runs it in plain PyTorch from then on), the call is counted with the
 reason, and the run's status and a WARNING say so.
 
-Sizes: the dimensions that change between generations (:data:`VARYING_DIMS`: batch, latent height and
-width, prompt length) are marked dynamic on the first call, so dynamo hands the backend one graph with
-symbolic sizes from the start. Each new size is then compiled once, and a size seen before is found
-again without a compile. (Left to dynamo's automatic dynamic shapes, the first size would be compiled
-twice: once static, and once more in the symbolic graph that later shadows it.)
+At automatic precision (bf16/f16 where the device has it) every routed call's output is also checked for
+inf and NaN (:mod:`.finite_guard`). A non-finite output from finite inputs makes that route run at f32
+from then on: its f32 build (compiled by the backend for the same options at f32, on the spot) runs the
+call again and that result is returned, so no inf or NaN made by low precision reaches A1111 (or its
+conditioning cache). The route keeps its f32 build as long as its compiled forward lives (until another
+checkpoint or a script reload). A WARNING and the run's status say so. A call that is not finite at f32
+either is the model's own NaN: its f32 result is returned as is, once, for A1111's NaN check.
+
+What a routed call does (sizes, the eager check, the f32 switch) is in :mod:`.compiled_route`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import CodeType
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .backend_bridge import BackendApi
-from .graph_runs import GraphRunCounter, why_eager
+from .compiled_route import VARYING_DIMS, CompiledRoute, make_forward
+from .finite_guard import F32Switch
+from .graph_runs import GraphRunCounter
 from .model_parts import Target, checkpoint_key, find_targets
 from .routing import Route
-from .settings import PART_LABELS, AccelerateSettings
+from .settings import PRECISION_F32, AccelerateSettings
 
 logger = logging.getLogger(__name__)
 
 BackendKey = tuple[str, bool, str, tuple[tuple[str, str], ...]]
 
-#: Tensor rank -> dimensions that vary between generations: 1-D timesteps and 2-D token ids or
-#: SDXL's ``y`` (batch); 3-D UNet context (batch, prompt length in 77-token chunks); 4-D latents and
-#: images (batch, height, width). Channels and the 77 tokens of a chunk never change.
-VARYING_DIMS: dict[int, tuple[int, ...]] = {1: (0,), 2: (0,), 3: (0, 1), 4: (0, 2, 3)}
 
-
-def mark_varying_dims(
-    args: Sequence[Any], kwargs: dict[str, Any], dims: Mapping[int, tuple[int, ...]] = VARYING_DIMS
-) -> None:
-    """Mark ``dims`` (rank -> dimensions; default :data:`VARYING_DIMS`) of the tensor arguments as dynamic
-    for dynamo (sizes of 1 stay static)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            for dim in dims.get(value.dim(), ()):
-                if value.shape[dim] > 1:
-                    torch._dynamo.maybe_mark_dynamic(value, dim)
-
-
-def backend_key(options: dict[str, Any]) -> BackendKey:
+def backend_key(options: Mapping[str, Any]) -> BackendKey:
     """A hashable key of the backend options that change a compiled model."""
     return (
         str(options["device"]),
@@ -67,28 +56,6 @@ def backend_key(options: dict[str, Any]) -> BackendKey:
         str(options["cache_dir"]),
         tuple(sorted((str(k), str(v)) for k, v in options["config"].items())),
     )
-
-
-def input_signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
-    """Shapes and dtypes of the tensor arguments of one call."""
-    items = list(args) + [kwargs[k] for k in sorted(kwargs)]
-    return tuple((tuple(x.shape), str(x.dtype)) for x in items if isinstance(x, torch.Tensor))
-
-
-@dataclass
-class _Compiled:
-    part: str
-    label: str
-    module_ref: weakref.ReferenceType
-    compiled: Callable[..., Any]
-    counter: GraphRunCounter
-    varying_dims: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: VARYING_DIMS)
-    code: CodeType | None = None
-    seen: set[tuple] = field(default_factory=set)
-    calls: int = 0
-    eager_calls: int = 0
-    """Calls dynamo ran without a compiled graph (plain PyTorch)."""
-    eager_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,7 +68,7 @@ class PreparedRun:
     settings: AccelerateSettings
     checkpoint: str
     stats_before: dict[str, float]
-    entries: tuple[_Compiled, ...] = ()
+    entries: tuple[CompiledRoute, ...] = ()
     """The compiled forward behind each route (their call counters tell which routes ran)."""
     calls_before: tuple[int, ...] = ()
     """Calls of each entry before the run."""
@@ -109,6 +76,14 @@ class PreparedRun:
     """Calls of each entry that ran in plain PyTorch before the run."""
     key: BackendKey = ("", False, "", ())
     """The backend options key of ``backend``."""
+    f32_options: Mapping[str, Any] | None = None
+    """Backend options of the f32 builds of routes that overflow; None when the run is at f32 already."""
+    f32_before: tuple[bool, ...] = ()
+    """Whether each entry ran at f32 before the run."""
+    f32_first_report: int = 0
+    """Compile reports of the f32 backend before the run (0 if it did not exist yet)."""
+    f32_stats_before: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """The f32 backend's counters before the run (empty if it did not exist yet)."""
 
 
 class Accelerator:
@@ -126,7 +101,7 @@ class Accelerator:
         self._checkpoints: set[str] = set()
         self._backends: dict[BackendKey, Any] = {}
         self._counters: dict[BackendKey, GraphRunCounter] = {}
-        self._compiled: dict[tuple[BackendKey, str], list[_Compiled]] = {}
+        self._compiled: dict[tuple[BackendKey, str], list[CompiledRoute]] = {}
 
     def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str) -> PreparedRun:
         """Find the parts of ``model`` to accelerate and get (or make) their compiled forwards.
@@ -139,6 +114,9 @@ class Accelerator:
         options = settings.backend_options(default_cache_dir)
         key = backend_key(options)
         ckpt = checkpoint_key(model)
+        f32_options = None
+        if settings.precision != PRECISION_F32:
+            f32_options = dataclasses.replace(settings, precision=PRECISION_F32).backend_options(default_cache_dir)
         with self._lock:
             if ckpt not in self._checkpoints:
                 if self._checkpoints:
@@ -149,11 +127,8 @@ class Accelerator:
                     )
                 self._drop_all()
                 self._checkpoints = {ckpt}
-            backend = self._backends.get(key)
-            if backend is None:
-                backend = self.api.backend_class(self.api.build_settings(options))
-                self._backends[key] = backend
-            return self._prepared(model, targets, key, backend, settings)
+            backend = self._backend(key, options)
+            return self._prepared(model, targets, key, backend, settings, f32_options)
 
     def extend(self, run: PreparedRun, model: Any) -> PreparedRun:
         """The routes of ``model``, another model A1111 switched to during ``run`` (a refiner, a hires
@@ -165,13 +140,29 @@ class Accelerator:
         targets = find_targets(model, run.settings.parts)
         with self._lock:
             self._checkpoints.add(checkpoint_key(model))
-            return self._prepared(model, targets, run.key, run.backend, run.settings)
+            return self._prepared(model, targets, run.key, run.backend, run.settings, run.f32_options)
+
+    def _backend(self, key: BackendKey, options: Mapping[str, Any]) -> Any:
+        backend = self._backends.get(key)
+        if backend is None:
+            backend = self.api.backend_class(self.api.build_settings(dict(options)))
+            self._backends[key] = backend
+        return backend
 
     def _prepared(
-        self, model: Any, targets: list[Target], key: BackendKey, backend: Any, settings: AccelerateSettings
+        self,
+        model: Any,
+        targets: list[Target],
+        key: BackendKey,
+        backend: Any,
+        settings: AccelerateSettings,
+        f32_options: Mapping[str, Any] | None,
     ) -> PreparedRun:
         entries = [self._entry(key, backend, t) for t in targets]
-        routes = tuple(Route(t.module, self._make_forward(e), t.label, t.method) for t, e in zip(targets, entries))
+        f32_backend = self._backends.get(backend_key(f32_options)) if f32_options is not None else None
+        routes = tuple(
+            Route(t.module, self._make_forward(e, f32_options), t.label, t.method) for t, e in zip(targets, entries)
+        )
         return PreparedRun(
             routes=routes,
             backend=backend,
@@ -183,30 +174,53 @@ class Accelerator:
             calls_before=tuple(e.calls for e in entries),
             eager_before=tuple(e.eager_calls for e in entries),
             key=key,
+            f32_options=f32_options,
+            f32_before=tuple(e.f32 is not None for e in entries),
+            f32_first_report=len(getattr(f32_backend, "reports", ())),
+            f32_stats_before=dict(f32_backend.stats()) if f32_backend is not None else {},
         )
 
-    def _entry(self, key: BackendKey, backend: Any, target: Target) -> _Compiled:
+    def _entry(self, key: BackendKey, backend: Any, target: Target) -> CompiledRoute:
         entries = self._compiled.setdefault((key, target.label), [])
         entry = next((e for e in entries if e.module_ref() is target.module), None)
         if entry is None:
             if entries:
                 logger.info("%s is a new module object: compiling it too", target.label)
-            counter = self._counters.get(key)
-            if counter is None or counter.backend is not backend:
-                counter = self._counters[key] = GraphRunCounter(backend)
-            compiled = torch.compile(getattr(target.module, target.method), backend=counter)
             function = getattr(type(target.module), target.method, None)
-            entry = _Compiled(
+            source = getattr(target.module, target.method)
+            counter = self._counter(key, backend)
+            entry = CompiledRoute(
                 part=target.part,
                 label=target.label,
                 module_ref=weakref.ref(target.module),
-                compiled=compiled,
+                compiled=torch.compile(source, backend=counter),
                 counter=counter,
                 varying_dims=dict(target.varying_dims) if target.varying_dims is not None else VARYING_DIMS,
                 code=getattr(function, "__code__", None),
+                source=source,
             )
             entries.append(entry)
         return entry
+
+    def _counter(self, key: BackendKey, backend: Any) -> GraphRunCounter:
+        counter = self._counters.get(key)
+        if counter is None or counter.backend is not backend:
+            counter = self._counters[key] = GraphRunCounter(backend)
+        return counter
+
+    def _f32_build(self, entry: CompiledRoute, options: Mapping[str, Any]) -> CompiledRoute:
+        """The f32 build of ``entry``'s route (compiled on its first call, by the f32 backend)."""
+        key = backend_key(options)
+        counter = self._counter(key, self._backend(key, options))
+        return CompiledRoute(
+            part=entry.part,
+            label=entry.label,
+            module_ref=entry.module_ref,
+            compiled=torch.compile(entry.source, backend=counter),
+            counter=counter,
+            varying_dims=entry.varying_dims,
+            code=entry.code,
+        )
 
     def keep_only(self, runs: Sequence[PreparedRun]) -> None:
         """Drop compiled forwards of module objects that none of ``runs`` routed (models A1111 replaced)."""
@@ -217,39 +231,9 @@ class Accelerator:
                 if not entries:
                     del self._compiled[label_key]
 
-    def _make_forward(self, entry: _Compiled) -> Callable[..., Any]:
-        lock, notify = self._lock, self._notify
-        label = PART_LABELS[entry.part]
-
-        def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            before = entry.counter.graphs_run()
-            result = entry.compiled(*args, **kwargs)
-            if entry.counter.graphs_run() == before:  # dynamo ran it without a compiled graph
-                reason = why_eager(entry.code)
-                with lock:
-                    entry.eager_calls += 1
-                    entry.eager_reason = reason
-            return result
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            signature = input_signature(args, kwargs)
-            with lock:
-                new = signature not in entry.seen
-                entry.calls += 1
-            if not new:
-                return call(args, kwargs)
-            mark_varying_dims(args, kwargs, entry.varying_dims)
-            shapes = "x".join(str(d) for d in signature[0][0]) if signature else "?"
-            notify(f"OpenVINO: compiling {label} ({entry.label}) for input {shapes} ...")
-            try:
-                result = call(args, kwargs)
-            finally:
-                notify(None)
-            with lock:
-                entry.seen.add(signature)
-            return result
-
-        return forward
+    def _make_forward(self, entry: CompiledRoute, f32_options: Mapping[str, Any] | None) -> Callable[..., Any]:
+        f32_build = None if f32_options is None else (lambda: self._f32_build(entry, f32_options))
+        return make_forward(entry, self._lock, self._notify, f32_build)
 
     def _drop_all(self) -> None:
         compiled_any = bool(self._compiled)
@@ -293,10 +277,18 @@ class Accelerator:
         with self._lock:
             return sorted({label for (_key, label), entries in self._compiled.items() if entries})
 
+    def _f32_backend(self, run: PreparedRun) -> Any | None:
+        """The backend of ``run``'s f32 builds, if one exists."""
+        return self._backends.get(backend_key(run.f32_options)) if run.f32_options is not None else None
+
     def reports_since(self, run: PreparedRun) -> list[Any]:
-        """The compile reports the backend produced during ``run``."""
+        """The compile reports the backend (and the one of f32 builds) produced during ``run``."""
         with self._lock:
-            return list(getattr(run.backend, "reports", ())[run.first_report :])
+            reports = list(getattr(run.backend, "reports", ())[run.first_report :])
+            f32_backend = self._f32_backend(run)
+            if f32_backend is not None:
+                reports += list(getattr(f32_backend, "reports", ())[run.f32_first_report :])
+            return reports
 
     def calls_since(self, run: PreparedRun) -> dict[str, int]:
         """Route label -> how many times it was called during ``run`` (0: routed but never called)."""
@@ -312,8 +304,24 @@ class Accelerator:
                 if e.eager_calls > before
             }
 
+    def f32_since(self, run: PreparedRun) -> dict[str, tuple[F32Switch, bool]]:
+        """Route label -> (why it runs at f32, whether it switched during ``run``), for routes of ``run`` that
+        ran at f32 although it asked for automatic precision."""
+        with self._lock:
+            return {
+                e.label: (e.f32_switch, not before)
+                for e, before in zip(run.entries, run.f32_before)
+                if e.f32_switch is not None
+            }
+
     def stats_since(self, run: PreparedRun) -> dict[str, float]:
         """Backend counters (compile/run seconds, calls, cache hits) accumulated during ``run``."""
         with self._lock:
             now = dict(run.backend.stats())
-        return {k: v - run.stats_before.get(k, 0) for k, v in now.items() if isinstance(v, (int, float))}
+            f32_backend = self._f32_backend(run)
+            f32_now = dict(f32_backend.stats()) if f32_backend is not None else {}
+        result = {k: v - run.stats_before.get(k, 0) for k, v in now.items() if isinstance(v, (int, float))}
+        for k, v in f32_now.items():
+            if isinstance(v, (int, float)):
+                result[k] = result.get(k, 0) + v - run.f32_stats_before.get(k, 0)
+        return result

@@ -109,6 +109,7 @@ class Extension:
             accelerator.stats_since(prepared),
             switches=session.events,
             eager=eager,
+            f32=session.f32(),
         )
         logger.info("%s", status)
         if eager:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .accelerator import Accelerator, PreparedRun
+from .finite_guard import F32Switch
 from .model_parts import UnsupportedModel, checkpoint_key
 from .routing import Route, routed
 
@@ -137,6 +138,20 @@ class RoutingSession:
                     seen.add(id(entry))
                     key = f"{name}: {entry.label}" if name else entry.label
                     result[key] = result.get(key, 0) + entry.calls - before
+        return result
+
+    def f32(self) -> dict[str, tuple[F32Switch, bool]]:
+        """Route label (named as in :meth:`calls`) -> (why it ran at f32 at automatic precision, whether it
+        switched during the session); only such routes."""
+        result: dict[str, tuple[F32Switch, bool]] = {}
+        seen: set[str] = set()
+        with self._lock:
+            for run, name in zip(self.runs, self.run_names):
+                for label, switch in self.accelerator.f32_since(run).items():
+                    key = f"{name}: {label}" if name else label
+                    if key not in seen:
+                        seen.add(key)
+                        result[key] = switch
         return result
 
     def eager(self) -> dict[str, tuple[int, str]]:

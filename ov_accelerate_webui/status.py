@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .finite_guard import F32Switch
 from .settings import AccelerateSettings
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ def run_status(
     stats: dict[str, float],
     switches: Sequence[str] = (),
     eager: Mapping[str, tuple[int, str]] | None = None,
+    f32: Mapping[str, tuple[F32Switch, bool]] | None = None,
 ) -> str:
     """What ran in OpenVINO, what fell back to PyTorch and why, compile vs run time, cache hits, device.
 
@@ -43,6 +45,8 @@ def run_status(
         stats: the backend's counters accumulated during the run.
         switches: what happened when A1111 switched the model during the run (refiner, hires checkpoint).
         eager: label of a routed module -> (calls torch.compile ran in plain PyTorch, why).
+        f32: label of a routed module that ran at f32 at automatic precision -> (why, whether it switched
+            during this run).
     """
     reports = list(reports)
     devices = sorted({str(getattr(r, "device", settings.device)) for r in reports}) or [settings.device]
@@ -52,6 +56,7 @@ def run_status(
         lines.append("Model switches during the generation: " + "; ".join(switches) + ".")
     if eager:
         lines.append(eager_line(eager, routed))
+    lines.extend(f32_lines(f32 or {}))
     lines.append(
         f"Compile {stats.get('compile_seconds', 0.0):.1f} s, run {stats.get('run_seconds', 0.0):.1f} s; "
         f"{int(stats.get('ov_calls', 0))} OpenVINO calls, {int(stats.get('eager_calls', 0))} PyTorch "
@@ -80,6 +85,17 @@ def eager_line(eager: Mapping[str, tuple[int, str]], routed: Mapping[str, int]) 
     """The status line for routed calls that torch.compile ran in plain PyTorch."""
     items = [f"{label} ({count} of {routed.get(label, count)} calls: {why})" for label, (count, why) in eager.items()]
     return "Not accelerated, ran in plain PyTorch: " + "; ".join(items) + "."
+
+
+def f32_lines(f32: Mapping[str, tuple[F32Switch, bool]]) -> list[str]:
+    """Status lines for routes that ran at f32 in a run at automatic precision: those rebuilt at f32
+    during the run, then those at f32 since an earlier run."""
+    lines = []
+    for new, head in ((True, "Rebuilt at f32 in this run"), (False, "At f32 since an earlier run")):
+        items = [f"{why.part} ({label}: {why.describe()})" for label, (why, now) in f32.items() if now == new]
+        if items:
+            lines.append(f"{head}: " + "; ".join(items) + ".")
+    return lines
 
 
 def to_html(text: str, kind: str = "info") -> str:

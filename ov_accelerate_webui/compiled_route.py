@@ -1,0 +1,161 @@
+"""One routed module's compiled forward: what a routed call does around the compiled graph.
+
+The :class:`~.accelerator.Accelerator` owns the compiled forwards and their backends; this module owns
+a single call: it marks the sizes that vary between generations as dynamic on a new input signature,
+notices a call dynamo ran without any compiled graph (counted with the reason), and at automatic
+precision checks the output for inf and NaN (:mod:`.finite_guard`): a non-finite output from finite
+inputs moves the route to its f32 build, which runs the same call again and whose result is returned.
+
+Sizes: the dimensions that change between generations (:data:`VARYING_DIMS`: batch, latent height and
+width, prompt length) are marked dynamic on the first call, so dynamo hands the backend one graph with
+symbolic sizes from the start. Each new size is then compiled once, and a size seen before is found
+again without a compile. (Left to dynamo's automatic dynamic shapes, the first size would be compiled
+twice: once static, and once more in the symbolic graph that later shadows it.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import Any
+
+import torch
+
+from .finite_guard import F32Switch, all_finite
+from .graph_runs import GraphRunCounter, why_eager
+from .settings import PART_LABELS
+
+logger = logging.getLogger(__name__)
+
+#: Tensor rank -> dimensions that vary between generations: 1-D timesteps and 2-D token ids or
+#: SDXL's ``y`` (batch); 3-D UNet context (batch, prompt length in 77-token chunks); 4-D latents and
+#: images (batch, height, width). Channels and the 77 tokens of a chunk never change.
+VARYING_DIMS: dict[int, tuple[int, ...]] = {1: (0,), 2: (0,), 3: (0, 1), 4: (0, 2, 3)}
+
+
+def mark_varying_dims(
+    args: Sequence[Any], kwargs: dict[str, Any], dims: Mapping[int, tuple[int, ...]] = VARYING_DIMS
+) -> None:
+    """Mark ``dims`` (rank -> dimensions; default :data:`VARYING_DIMS`) of the tensor arguments as dynamic
+    for dynamo (sizes of 1 stay static)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            for dim in dims.get(value.dim(), ()):
+                if value.shape[dim] > 1:
+                    torch._dynamo.maybe_mark_dynamic(value, dim)
+
+
+def input_signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+    """Shapes and dtypes of the tensor arguments of one call."""
+    items = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    return tuple((tuple(x.shape), str(x.dtype)) for x in items if isinstance(x, torch.Tensor))
+
+
+@dataclass
+class CompiledRoute:
+    """The compiled forward of one routed module object, and what its calls did."""
+
+    part: str
+    label: str
+    module_ref: weakref.ReferenceType
+    compiled: Callable[..., Any]
+    counter: GraphRunCounter
+    varying_dims: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: VARYING_DIMS)
+    code: CodeType | None = None
+    seen: set[tuple] = field(default_factory=set)
+    calls: int = 0
+    eager_calls: int = 0
+    """Calls dynamo ran without a compiled graph (plain PyTorch)."""
+    eager_reason: str = ""
+    source: Callable[..., Any] | None = None
+    """The routed method as it was before routing (what an f32 build compiles)."""
+    f32: CompiledRoute | None = None
+    """The f32 build this route runs since its output was not finite at automatic precision."""
+    f32_switch: F32Switch | None = None
+    """Why the route runs at f32 (set once the f32 build has run the call that was not finite)."""
+
+
+def make_forward(
+    entry: CompiledRoute,
+    lock: threading.RLock,
+    notify: Callable[[str | None], None],
+    f32_build: Callable[[], CompiledRoute] | None,
+) -> Callable[..., Any]:
+    """The method that replaces ``entry``'s module method while routed.
+
+    Args:
+        entry: the route; its counters are updated under ``lock``.
+        lock: the accelerator's lock.
+        notify: called with "OpenVINO: compiling ..." before a call with a new input signature, and None after.
+        f32_build: makes the route's f32 build (called under ``lock``, once); None when the run is at f32
+            already, and then outputs are not checked.
+    """
+    label = PART_LABELS[entry.part]
+
+    def run(build: CompiledRoute, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        signature = input_signature(args, kwargs)
+        with lock:
+            new = signature not in build.seen
+        if new:
+            mark_varying_dims(args, kwargs, build.varying_dims)
+            shapes = "x".join(str(d) for d in signature[0][0]) if signature else "?"
+            at = ", f32" if build is not entry else ""
+            notify(f"OpenVINO: compiling {label} ({entry.label}{at}) for input {shapes} ...")
+        before = build.counter.graphs_run()
+        try:
+            result = build.compiled(*args, **kwargs)
+        finally:
+            if new:
+                notify(None)
+        eager = build.counter.graphs_run() == before  # dynamo ran it without a compiled graph
+        reason = why_eager(entry.code) if eager else ""
+        with lock:
+            if eager:
+                entry.eager_calls += 1
+                entry.eager_reason = reason
+            if new:
+                build.seen.add(signature)
+        return result
+
+    def rerun_at_f32(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with lock:
+            first = entry.f32 is None
+            if first:
+                logger.warning(
+                    "Accelerate with OpenVINO: %s (%s) returned inf/NaN at automatic precision; running it at "
+                    "f32 from now on with this checkpoint (building it at f32)",
+                    label,
+                    entry.label,
+                )
+                entry.f32 = f32_build()
+            build = entry.f32
+        result = run(build, args, kwargs)
+        if first:
+            finite = all_finite(result)
+            with lock:
+                entry.f32_switch = F32Switch(part=label, finite_at_f32=finite)
+            if not finite:
+                logger.warning(
+                    "Accelerate with OpenVINO: %s (%s) is not finite at f32 either: the model's own NaN/inf, "
+                    "returned as is (A1111's NaN check reports it)",
+                    label,
+                    entry.label,
+                )
+        return result
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            entry.calls += 1
+            build = entry.f32 or entry
+        result = run(build, args, kwargs)
+        if f32_build is None or build is not entry or all_finite(result):
+            return result
+        if not all_finite(args, kwargs):  # NaN/inf came in (from another part): not this part's precision
+            return result
+        return rerun_at_f32(args, kwargs)
+
+    return forward
