@@ -132,7 +132,15 @@ class WebUI:
         target = extensions / EXTENSION_NAME
         if target.exists():
             shutil.rmtree(target)
-        subprocess.run(["git", "clone", "-q", str(ROOT), str(target)], check=True)
+        if os.environ.get("OV_REAL_WEBUI_SOURCE") == "worktree":  # while developing: uncommitted files too
+            files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                                   capture_output=True, text=True).stdout.splitlines()
+            for name in files:
+                if (ROOT / name).is_file():
+                    (target / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(ROOT / name, target / name)
+        else:  # as a user installs it
+            subprocess.run(["git", "clone", "-q", str(ROOT), str(target)], check=True)
         for folder in extra_extensions:
             shutil.copytree(folder, extensions / folder.name, dirs_exist_ok=True)
 
@@ -176,9 +184,9 @@ class WebUI:
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the WebUI exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                self.get("/sdapi/v1/sd-models", timeout=10)
-                break
+            try:  # the page answers before the API routes exist (404 until then)
+                with urllib.request.urlopen(self.url + "/sdapi/v1/sd-models", timeout=10):
+                    break
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 if time.time() - t0 > timeout:
                     raise RuntimeError(f"the WebUI did not answer in {timeout} s:\n{self.log_tail()}") from None
@@ -227,6 +235,11 @@ class WebUI:
         response = self.call(f"/sdapi/v1/{kind}", payload)
         seconds = time.time() - t0
         return Result([decode_image(b) for b in response["images"]], json.loads(response["info"]), seconds)
+
+    def record(self, what: str, psnr_db: float) -> None:
+        """Note a measured PSNR in ``<log dir>/psnr.tsv`` (the numbers the README and closing notes quote)."""
+        with open(self.log_dir / "psnr.tsv", "a") as f:
+            f.write(f"{what}\t{psnr_db:.1f}\n")
 
     def status(self) -> dict[str, Any]:
         """The extension's report of its last run (``GET /openvino-accelerate/v1/status``)."""
