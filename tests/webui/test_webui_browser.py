@@ -185,3 +185,50 @@ def test_last_run_updates_after_generate_without_refresh(
     wait.until(lambda d: _text(d, script.elem_id("status")).startswith("No part selected"))
     assert "No part selected" in browser.find_element(By.ID, "html_info_txt2img").text
     assert extension.last_status.startswith("No part selected")
+
+
+def test_pasting_an_infotext_restores_the_script_and_its_panel(served_panel: tuple[str, Any], browser: Any) -> None:
+    """A1111's "Read generation parameters" (the tools row's paste button) with an infotext in the prompt."""
+    from ov_accelerate_webui.infotext import TITLE
+    from ov_accelerate_webui.settings import PRECISION_AUTO, PRECISION_F32
+
+    url, script = served_panel
+    browser.get(url)
+    wait = WebDriverWait(browser, 30)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#txt2img_tools #paste"))
+
+    def paste(infotext: str) -> None:
+        prompt = browser.find_element(By.CSS_SELECTOR, "#txt2img_prompt textarea")
+        prompt.clear()
+        prompt.send_keys(infotext)
+        browser.find_element(By.CSS_SELECTOR, "#txt2img_tools #paste").click()
+        wait.until(lambda d: _text(d, "txt2img_prompt") == infotext.split("\n")[0])
+
+    def panel() -> dict[str, Any]:
+        return browser.execute_script(
+            "const q = (s) => gradioApp().querySelector(s);"
+            "return {script: q('#script_list input').value, device: q(arguments[0] + ' input').value,"
+            " unet: q(arguments[1] + ' input').checked, vae: q(arguments[2] + ' input').checked,"
+            " te: q(arguments[3] + ' input').checked, precision: q(arguments[4] + ' input:checked').value};",
+            *(f"#{script.elem_id(f)}" for f in ("device", "unet", "vae", "text_encoder", "precision")),
+        )
+
+    before = panel()
+    assert before["script"] == TITLE and before["device"].startswith("CPU: ")
+    assert (before["unet"], before["vae"], before["te"], before["precision"]) == (True, True, True, PRECISION_AUTO)
+
+    paste("a dog\nNegative prompt: cat\nSteps: 20, Sampler: Euler a, Seed: 1, Size: 64x64")
+    wait.until(lambda d: panel()["script"] == "None")
+    assert panel() == {**before, "script": "None"}
+
+    paste('a cat\nSteps: 1, Seed: 1, Script: Accelerate with OpenVINO, OpenVINO: "CPU, UNet, f32"')
+    wait.until(lambda d: panel()["script"] == TITLE)
+    after = panel()
+    assert (after["unet"], after["vae"], after["te"], after["precision"]) == (True, False, False, PRECISION_F32)
+    assert after["device"] == before["device"]
+
+    # A device this machine lacks: the panel keeps its device, the rest is pasted, the user is told.
+    paste('a bird\nSteps: 1, Seed: 1, Script: Accelerate with OpenVINO, OpenVINO: "GPU.7, UNet+VAE+TE, auto"')
+    wait.until(lambda d: panel()["vae"])
+    assert panel() == before
+    wait.until(lambda d: "'GPU.7' is not available here" in d.execute_script("return document.body.innerText"))

@@ -61,7 +61,7 @@ def generate(runner: scripts.ScriptRunner, prompt: str, *args: Any) -> tuple[str
 def create_tab(runner: scripts.ScriptRunner) -> gr.Blocks:
     tab = "img2img" if runner.is_img2img else "txt2img"
     with component_hooks(runner), gr.Blocks(analytics_enabled=False) as demo:
-        prompt = gr.Textbox(label="Prompt", elem_id=f"{tab}_prompt")
+        prompt = gr.Textbox(label="Prompt", elem_id=f"{tab}_prompt", lines=3)
         submit = gr.Button("Generate", elem_id=f"{tab}_generate")
         with gr.Row(elem_id=f"{tab}_tools"):
             paste = gr.Button("\u2199\ufe0f", elem_id="paste")
