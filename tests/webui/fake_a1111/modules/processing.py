@@ -19,7 +19,9 @@ model's text encoder, UNet and VAE the way A1111 v1.10.1's does:
   the conds and the VAE decode come from the new ``shared.sd_model``; ``p.sd_model`` is
   ``shared.sd_model``, and each batch starts with ``reload_model_weights()`` (back to the selected model);
 * live previews: ``store_latent`` after each step (``sd_samplers_common``);
-* one VAE decode per image (``decode_latent_batch``), infotext per image, batch count loop.
+* one VAE decode per image (``decode_latent_batch``), infotext per image, batch count loop;
+* A1111's conditioning cache (``cached_c``/``cached_uc``, class attributes shared by every ``p``, filled
+  by ``get_conds_with_caching``) when a test sets ``StableDiffusionProcessing.use_cond_cache``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ class SdConditioning(list):
 
 class StableDiffusionProcessing:
     """The fields extensions use (see a1111-host.md)."""
+
+    cached_uc: list = [None, None]
+    cached_c: list = [None, None]
+    use_cond_cache = False
+    """A1111 always caches the last prompts' conds (``opts.persistent_cond_cache``, on by default, keeps
+    them across generations); the fake does only when this is set, so that tests counting text encoder
+    calls per batch keep their meaning."""
 
     def __init__(
         self,
@@ -124,6 +133,24 @@ class StableDiffusionProcessing:
             return model.get_learned_conditioning(batch, width=width, height=height)
         return model.get_learned_conditioning(batch)
 
+    def get_conds_with_caching(self, prompts: list[str], negative: bool, cache: list) -> Any:
+        """A1111's cache lookup: the cached conds when the parameters that make them are unchanged."""
+        model = shared.sd_model
+        params = (
+            tuple(prompts),
+            negative,
+            self.steps,
+            shared.opts.CLIP_stop_at_last_layers,
+            model.sd_checkpoint_info,
+            self.width,
+            self.height,
+        )
+        if cache[0] is not None and cache[0] == params:
+            return cache[1]
+        cache[1] = self.conds(model, prompts, negative, self.width, self.height)
+        cache[0] = params
+        return cache[1]
+
     def setup_conds(self) -> None:
         """The conds of the current batch with the loaded model (again after a refiner switch)."""
         model = shared.sd_model
@@ -131,6 +158,10 @@ class StableDiffusionProcessing:
             width, height = self.hr_upscale_to_x, self.hr_upscale_to_y
             self.hr_c = self.conds(model, self.prompts, False, width, height)
             self.hr_uc = self.conds(model, self.negative_prompts, True, width, height)
+            return
+        if self.use_cond_cache:
+            self.uc = self.get_conds_with_caching(self.negative_prompts, True, StableDiffusionProcessing.cached_uc)
+            self.c = self.get_conds_with_caching(self.prompts, False, StableDiffusionProcessing.cached_c)
             return
         self.c = self.conds(model, self.prompts, False, self.width, self.height)
         self.uc = self.conds(model, self.negative_prompts, True, self.width, self.height)
