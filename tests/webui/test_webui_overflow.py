@@ -112,7 +112,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_unet_overflow_is_rebuilt_at_f32_once(
-    fake_host: SimpleNamespace, overflowing: Any, shared_cache_dir: Any, f32: Any, caplog: pytest.LogCaptureFixture
+    fake_host: SimpleNamespace, overflowing: Any, shared_cache_dir: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     only_unet = {"vae": False, "text_encoder": False}
     plain = fake_host.processing.process_images(make_p(fake_host))
