@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -88,6 +89,18 @@ def default_cache_dir() -> str:
 def queue_lock() -> Any:
     """The lock A1111 holds while a generation runs (``modules.call_queue.queue_lock``)."""
     return _module("modules.call_queue").queue_lock
+
+
+def lora_networks() -> ModuleType | None:
+    """The built-in Lora extension's ``networks`` module (``extensions-builtin/Lora``), or None when that
+    extension is not loaded (disabled, or another host such as Forge whose Lora works differently).
+
+    It is looked up in ``sys.modules``, never imported: importing it would load the extension.
+    """
+    module = sys.modules.get("networks")
+    if module is None or not all(hasattr(module, n) for n in ("network_apply_weights", "loaded_networks", "originals")):
+        return None
+    return module
 
 
 def is_forge() -> bool:

@@ -1,0 +1,148 @@
+"""A1111's built-in Lora extension around routed calls: LoRA weights as stock A1111 has them, and compiled
+graphs that never contain the extension's code.
+
+The Lora extension (``extensions-builtin/Lora``) replaces ``forward`` of ``torch.nn.Linear``, ``Conv2d``,
+``GroupNorm``, ``LayerNorm`` and ``MultiheadAttention`` at class level. Each replacement first calls
+``networks.network_apply_weights(layer)``, which, when the wanted networks (names and strengths) differ from
+the ones in the layer's weights, restores the layer's backed-up weights and writes the LoRA-modified ones in
+place; then it calls the original ``forward``. Traced by dynamo, that Python (module globals, in-place
+weight writes, an option read) ends up inside the compiled graph, which then neither follows a LoRA change
+nor converts cleanly.
+
+:class:`LoraHook` wraps each routed method so that, before the compiled call, the extension's weights are
+put in place eagerly in every layer of the routed module the extension handles (what stock A1111's
+forwards would do during the call; nothing when nothing changed), and during the compiled call the class
+``forward`` methods are the originals the extension saved (``networks.originals``), so dynamo traces plain
+torch layers. Whatever was on the classes is put back afterwards, on exceptions too. The backend notices
+the in-place weight changes (it checks the weights' version counters on every call) and builds or reuses
+the models for those weights.
+
+The extension's "functional" mode (``lora_functional``, "use old method ..."), computes LoRA in each
+layer's forward instead of changing weights; with networks loaded, a routed call then runs in plain PyTorch
+(counted as such, so the run's status and a WARNING say why).
+
+The class ``forward`` methods are process-wide: while a routed call runs, a layer called by another thread
+outside any routed call gets no LoRA. A1111 runs one generation at a time (``queue_lock``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+from . import host
+from .compiled_route import CompiledRoute
+
+logger = logging.getLogger(__name__)
+
+#: The torch.nn classes whose ``forward`` the Lora extension replaces (``lora_patches.LoraPatches``),
+#: by the names it uses (``networks.network_<name>_forward``, ``originals.<name>_forward``).
+LORA_CLASSES: tuple[str, ...] = ("Conv2d", "GroupNorm", "LayerNorm", "Linear", "MultiheadAttention")
+
+FUNCTIONAL_REASON = (
+    "A1111's Lora option \"use old method\" (lora_functional) computes LoRA inside each layer's forward, "
+    "which a compiled graph cannot follow; turn it off in Settings > Compatibility to accelerate with LoRA"
+)
+
+
+def lora_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of ``module`` whose forward the Lora extension replaces, in module order.
+
+    The output projection of a ``MultiheadAttention`` is left out: its parent changes its weights (and its
+    own forward is never called).
+    """
+    classes = tuple(getattr(nn, name) for name in LORA_CLASSES)
+    layers = [m for m in module.modules() if isinstance(m, classes)]
+    inner = {id(m.out_proj) for m in layers if isinstance(m, nn.MultiheadAttention)}
+    return [m for m in layers if id(m) not in inner]
+
+
+def _plain_forwards(networks: ModuleType) -> list[tuple[type, Any]]:
+    """Put the original ``forward`` back on each class whose ``forward`` is the Lora extension's; returns
+    (class, what was there) for each one changed."""
+    saved: list[tuple[type, Any]] = []
+    originals = networks.originals
+    for name in LORA_CLASSES:
+        cls = getattr(nn, name)
+        current = cls.__dict__.get("forward")
+        patched = getattr(networks, f"network_{name}_forward", None)
+        original = getattr(originals, f"{name}_forward", None)
+        if current is None or original is None or current is original:
+            continue
+        if current is not patched:  # someone else patched on top of the Lora extension: left as it is
+            logger.debug("%s.forward is neither the Lora extension's nor the original: left in place", name)
+            continue
+        saved.append((cls, current))
+        cls.forward = original
+    return saved
+
+
+class LoraHook:
+    """Makes routed calls see the Lora extension's weights but not its code (see the module docstring).
+
+    Args:
+        lock: the accelerator's lock (guards the routes' call counters).
+    """
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._lock = lock
+        self._patch_lock = threading.Lock()
+        self._depth = 0
+        self._saved: list[tuple[type, Any]] = []
+
+    @contextlib.contextmanager
+    def plain_forwards(self, networks: ModuleType) -> Iterator[None]:
+        """During the block, the torch.nn classes have their original ``forward`` (nested and concurrent
+        blocks share one swap: the last to leave puts back what was there)."""
+        with self._patch_lock:
+            if self._depth == 0:
+                self._saved = _plain_forwards(networks)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._patch_lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    for cls, forward in reversed(self._saved):
+                        cls.forward = forward
+                    self._saved = []
+
+    def wrap(self, forward: Callable[..., Any], entry: CompiledRoute) -> Callable[..., Any]:
+        """``forward`` (the routed method of ``entry``'s module) with the Lora extension handled around it."""
+        layers: list[nn.Module] | None = None
+
+        def routed_call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal layers
+            networks = host.lora_networks()
+            module = entry.module_ref()
+            if networks is None or networks.originals is None or module is None:
+                return forward(*args, **kwargs)
+            functional = bool(host.option("lora_functional", False))
+            if functional and networks.loaded_networks:
+                return self._plain_pytorch(entry, args, kwargs)
+            if layers is None:
+                layers = lora_layers(module)
+            for layer in layers:
+                # functional mode without networks: stock A1111 changes weights in MultiheadAttention only
+                if not functional or isinstance(layer, nn.MultiheadAttention):
+                    networks.network_apply_weights(layer)
+            with self.plain_forwards(networks):
+                return forward(*args, **kwargs)
+
+        return routed_call
+
+    def _plain_pytorch(self, entry: CompiledRoute, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self._lock:
+            entry.calls += 1
+            entry.eager_calls += 1
+            entry.eager_reason = FUNCTIONAL_REASON
+        source = entry.source  # the routed method as it was before routing (set on every route's entry)
+        assert source is not None, entry.label
+        return source(*args, **kwargs)
