@@ -48,12 +48,27 @@ def __dir__() -> list[str]:
 
 
 def _register_name() -> None:
-    from torch._dynamo.backends.registry import list_backends, register_backend
+    """Register the backend name with dynamo, without loading dynamo's other backends.
+
+    ``list_backends()`` imports every backend module dynamo ships (about a second) to answer;
+    the registry's own dict answers at once. A name already there was registered before, or
+    found through this package's ``torch_dynamo_backends`` entry point (dynamo loads that entry
+    point by importing this package, and registers it itself).
+    """
+    from torch._dynamo.backends import registry
 
     from ov_backend.backend import BACKEND_NAME, ov_backend
 
-    if BACKEND_NAME not in list_backends(exclude_tags=()):
-        register_backend(name=BACKEND_NAME)(ov_backend)
+    known = getattr(registry, "_BACKENDS", None)
+    if known is None:  # a torch without the private dict: the public check, which loads every backend
+        known = registry.list_backends(exclude_tags=())
+    if BACKEND_NAME in known:
+        return
+    try:
+        registry.register_backend(name=BACKEND_NAME)(ov_backend)
+    except AssertionError as err:  # dynamo's "duplicate name": registered by another thread meanwhile
+        if "duplicate" not in str(err):
+            raise
 
 
 if sys.argv[:1] != ["-m"]:
