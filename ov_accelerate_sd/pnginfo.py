@@ -6,7 +6,9 @@ Format, as A1111 writes it and its PNG Info tab reads it::
     Negative prompt: <negative prompt>        (omitted when empty)
     Steps: 20, Sampler: Euler a, CFG scale: 7, Seed: 1, Size: 512x512, Model hash: ..., ...
 
-A value containing a comma, colon or newline is written as a JSON string.
+A value containing a comma, colon or newline is written as a JSON string. Written from the
+format as the WebUI's PNG Info tab reads it; ``tests/sd/test_pnginfo.py`` checks it against the
+WebUI's own reader when the test bed is there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,47 +28,94 @@ from .files import atomic_path
 logger = logging.getLogger(__name__)
 
 PNG_KEY = "parameters"
-_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
-_NEGATIVE = "Negative prompt:"
+NEGATIVE_PREFIX = "Negative prompt:"
+#: A last line with fewer "key: value" fields than this is read as part of the prompt (the WebUI's rule).
+MIN_PARAMETER_FIELDS = 3
+_NEEDS_QUOTES = frozenset(",:\n")
+_KEY_PUNCTUATION = frozenset(" -/_")
+_JSON = json.JSONDecoder()
 
 
 def quote(value: Any) -> str:
-    """A value as the WebUI writes it in the parameters line."""
+    """``value`` as written in the parameters line: as is, or as a JSON string when it holds a
+    character that would end the field or the line (comma, colon, newline)."""
     text = str(value)
-    if "," not in text and "\n" not in text and ":" not in text:
-        return text
-    return json.dumps(text, ensure_ascii=False)
+    return json.dumps(text, ensure_ascii=False) if _NEEDS_QUOTES.intersection(text) else text
 
 
 def format_infotext(prompt: str, negative_prompt: str, params: Mapping[str, Any]) -> str:
-    """The infotext of one image; ``params`` in the order they should appear (None values skipped)."""
-    line = ", ".join(f"{k}: {quote(v)}" for k, v in params.items() if v is not None and v != "")
-    text = prompt
-    if negative_prompt:
-        text += f"\n{_NEGATIVE} {negative_prompt}"
-    return f"{text}\n{line}"
+    """The infotext of one image; ``params`` in the order they should appear (None and "" skipped)."""
+    fields = [f"{key}: {quote(value)}" for key, value in params.items() if value is not None and value != ""]
+    head = [prompt] + ([f"{NEGATIVE_PREFIX} {negative_prompt}"] if negative_prompt else [])
+    return "\n".join(head + [", ".join(fields)])
+
+
+def _is_key(text: str) -> bool:
+    """A parameter name: a letter, digit or underscore, then those, spaces, '-' or '/'."""
+    return len(text) > 1 and (text[0].isalnum() or text[0] == "_") and all(
+        c.isalnum() or c in _KEY_PUNCTUATION for c in text
+    )
+
+
+def _quoted_value(line: str, start: int) -> tuple[str, int] | None:
+    """A JSON string starting at ``start`` that ends its field (comma or end of line): (text, end)."""
+    try:
+        value, end = _JSON.raw_decode(line, start)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, str) or not value or (end < len(line) and line[end] != ","):
+        return None
+    return value, end
+
+
+def parameter_fields(line: str) -> list[tuple[str, str]]:
+    """The ``key: value`` fields of a parameters line, in order; anything else on it is skipped.
+
+    Fields are separated by commas; a value starting with a double quote is a JSON string and may
+    hold commas and colons. A stretch without a valid ``key:`` (a bare flag) is passed over.
+    """
+    fields: list[tuple[str, str]] = []
+    pos = 0
+    while pos < len(line):
+        next_comma = line.find(",", pos)
+        field_end = len(line) if next_comma < 0 else next_comma
+        colon = line.find(":", pos, field_end)
+        key = line[pos:colon].strip() if colon >= 0 else ""
+        if not _is_key(key):
+            pos = field_end + 1
+            continue
+        value_start = colon + 1
+        while value_start < len(line) and line[value_start].isspace():
+            value_start += 1
+        quoted = _quoted_value(line, value_start) if line.startswith('"', value_start) else None
+        if quoted is not None:
+            value, field_end = quoted
+        else:
+            value = line[value_start:field_end].strip()
+        fields.append((key, value))
+        pos = field_end + 1
+    return fields
 
 
 def parse_infotext(text: str) -> dict[str, str]:
-    """Parse an infotext: "Prompt", "Negative prompt" and every parameter, as strings."""
+    """Parse an infotext: "Prompt", "Negative prompt" and every parameter, as strings.
+
+    The last line is the parameters line when it holds at least ``MIN_PARAMETER_FIELDS`` fields;
+    the lines before it are the prompt, then, from a line starting "Negative prompt:", the
+    negative prompt.
+    """
     lines = text.strip().split("\n")
-    params: dict[str, str] = {}
-    last = lines[-1] if lines else ""
-    found = _PARAM.findall(last)
-    if len(found) >= 3:
-        lines = lines[:-1]
-        for key, value in found:
-            value = value.strip()
-            if value.startswith('"') and value.endswith('"'):
-                value = json.loads(value)
-            params[key.strip()] = value
-    prompt, negative, in_negative = [], [], False
-    for line in lines:
-        if line.startswith(_NEGATIVE):
-            in_negative = True
-            line = line[len(_NEGATIVE):].strip()
-        (negative if in_negative else prompt).append(line)
-    return {"Prompt": "\n".join(prompt), "Negative prompt": "\n".join(negative), **params}
+    fields = parameter_fields(lines[-1])
+    if len(fields) >= MIN_PARAMETER_FIELDS:
+        lines.pop()
+    else:
+        fields = []
+    negative_at = next((i for i, line in enumerate(lines) if line.strip().startswith(NEGATIVE_PREFIX)), len(lines))
+    prompt = [line.strip() for line in lines[:negative_at]]
+    negative = [line.strip() for line in lines[negative_at:]]
+    if negative:
+        negative[0] = negative[0][len(NEGATIVE_PREFIX):].strip()
+    return {"Prompt": "\n".join(prompt), "Negative prompt": "\n".join(negative), **dict(fields)}
 
 
 def save_png(image: Image.Image, path: str | os.PathLike, infotext: str) -> Path:
