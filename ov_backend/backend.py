@@ -18,7 +18,9 @@ import openvino as ov
 import torch
 
 from ov_backend.cache import ModelCache
-from ov_backend.compiled import CompiledGraph, InputKind, classify_inputs
+from ov_backend.compiled import CompiledGraph
+from ov_backend.context import BuildContext
+from ov_backend.inputs import InputKind, classify_inputs
 from ov_backend.ops import decomposition_table
 from ov_backend.report import CompileReport, Stats
 from ov_backend.settings import BackendSettings, build_settings
@@ -57,13 +59,18 @@ class OVBackend:
         self._lock = threading.Lock()
         self._reports: list[CompileReport] = []
         self._graphs: list[CompiledGraph] = []
+        #: what compiled graphs see of this backend (compile_model is looked up here, so that a
+        #: subclass's override is used)
+        self.build_context = BuildContext(self.settings, self.core, self.cache, self.stats_counter,
+                                    compile_model=self.compile_model, add_report=self.add_report,
+                                    digests=self.digests, versions=self.versions)
 
     # -- dynamo entry -------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         kinds = classify_inputs(gm)
         if self.settings.aot_autograd:
             return self._through_aot(gm, example_inputs, kinds)
-        return self._register(CompiledGraph(gm, example_inputs, kinds, self, self._next_name()))
+        return self._register(CompiledGraph(gm, example_inputs, kinds, self.build_context, self._next_name()))
 
     def _next_name(self) -> str:
         with self._lock:
@@ -86,7 +93,7 @@ class OVBackend:
                 logger.info("AOTAutograd changed the graph inputs (%d -> %d); weights are passed per call",
                             len(kinds), len(fw_inputs))
                 fw_kinds = [InputKind("user")] * len(fw_inputs)
-            graph = self._register(CompiledGraph(fw_gm, fw_inputs, fw_kinds, self, self._next_name()))
+            graph = self._register(CompiledGraph(fw_gm, fw_inputs, fw_kinds, self.build_context, self._next_name()))
             return make_boxed_func(graph)
 
         def backward_compiler(bw_gm: torch.fx.GraphModule, bw_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -96,7 +103,7 @@ class OVBackend:
         return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
                             decompositions=decomposition_table(self.settings.decompositions))(gm, example_inputs)
 
-    # -- services for compiled graphs -----------------------------------------------------------------
+    # -- services for compiled graphs (lent through self.build_context) -------------------------------
     def compile_model(self, model: ov.Model | Path) -> ov.CompiledModel:
         """Compile for the configured device.
 
@@ -131,30 +138,8 @@ class OVBackend:
     def _cpu_only(self) -> bool:
         return self.settings.device.split(".")[0] == "CPU"
 
-    def cache_load(self, key: str) -> ov.Model | None:
-        """The converted model cached under ``key``, or None (counted as a hit or a miss)."""
-        if not self.settings.model_caching:
-            return None
-        model = self.cache.load(key, self.core)
-        self.stats_counter.add(**({"cache_hits": 1} if model is not None else {"cache_misses": 1}))
-        return model
-
-    def cache_file(self, key: str) -> Path | None:
-        """The checked ``model.xml`` of the entry cached under ``key``, or None (a hit or a miss)."""
-        if not self.settings.model_caching:
-            return None
-        path = self.cache.model_file(key)
-        self.stats_counter.add(**({"cache_hits": 1} if path is not None else {"cache_misses": 1}))
-        return path
-
-    def cache_store(self, key: str, model: ov.Model, description: str) -> Path | None:
-        """Store ``model`` under ``key``; returns its ``model.xml``, or None when not stored."""
-        if not self.settings.model_caching:
-            return None
-        entry = self.cache.store(key, model, description)
-        return entry / "model.xml" if entry is not None else None
-
     def add_report(self, report: CompileReport) -> None:
+        """Keep ``report`` (the report sink of this backend's compiled graphs)."""
         with self._lock:
             self._reports.append(report)
 

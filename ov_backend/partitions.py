@@ -1,0 +1,183 @@
+"""The static route: one graph traced for one signature, partitioned, each partition converted.
+
+Owns :class:`StaticBuild`: tracing (a graph that cannot be traced runs in PyTorch), the retry
+loop (ops the OpenVINO frontend reports it cannot convert are left to PyTorch and the graph is
+partitioned again), converting and compiling each partition (from the cache when it holds it),
+and the whole-graph cache key for a graph that is one partition. Every partition that stays in
+PyTorch is in the compile report with its reason and logged as a WARNING, or raises when
+``strict`` (see :meth:`ov_backend.context.BuildContext.fail`).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import openvino as ov
+import torch
+
+from ov_backend import convert, weights
+from ov_backend.context import BuildContext
+from ov_backend.inputs import GraphInputs, output_dtype
+from ov_backend.ops import OpenVINOSupport, node_op_name
+from ov_backend.report import CompileReport, PartitionReport
+from ov_backend.runtime import OVModule, OVRunner
+from ov_backend.variants import Variant, eager_variant
+
+logger = logging.getLogger(__name__)
+
+#: How many times a graph is partitioned: after each, ops the frontend could not convert go to PyTorch.
+MAX_ATTEMPTS = 3
+
+
+class StaticBuild:
+    """One static build of a graph for one signature.
+
+    Args:
+        context: what the backend lends.
+        inputs: the graph's inputs and outputs.
+        name: the graph's name for logs and reports.
+        decompositions: the decomposition table for tracing.
+        report: the compile report to fill.
+    """
+
+    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str,
+                 decompositions: dict[Any, Callable[..., Any]], report: CompileReport) -> None:
+        self.context = context
+        self.inputs = inputs
+        self.name = name
+        self.decompositions = decompositions
+        self.report = report
+
+    def run(self, user_values: Sequence[Any], weight_values: Sequence[torch.Tensor], fingerprint: str,
+            whole_key: str | None) -> Variant:
+        """Trace, partition and convert; ``whole_key`` names the graph's cache entry (None: no cache)."""
+        report = self.report
+        scalars = {pos: v for pos, v in enumerate(user_values)
+                   if not isinstance(v, torch.Tensor) or pos in self.inputs.scalar_tensors}
+        tensors = [v for pos, v in enumerate(user_values) if pos not in scalars]
+        start = time.perf_counter()
+        try:
+            traced = convert.trace_static(self.inputs.closure(weight_values, scalars), tensors, self.decompositions)
+        except Exception as err:  # tracing can fail in many ways (data-dependent control flow, ...)
+            report.route = "eager"
+            report.warnings.append(f"could not trace the graph: {err}")
+            self.context.fail(f"{self.name} {report.signature}: could not trace the graph "
+                              f"({type(err).__name__}: {err})", err)
+            return eager_variant(self.inputs, weight_values)
+        report.trace_seconds = time.perf_counter() - start
+        unconvertible: set[str] = set()
+        for _attempt in range(MAX_ATTEMPTS):
+            support = OpenVINOSupport(self.context.settings.disabled_ops, unconvertible)
+            graph, names = convert.partition(traced, support)
+            report.fallback_ops = dict(support.rejected)
+            report.partitions = []
+            retry = False
+            # a graph that is one partition is cached under the graph's own key: the next process
+            # finds it without tracing
+            covers = bool(whole_key) and not support.rejected and covers_whole_graph(graph, names)
+            for name in names:
+                outcome = self._convert_and_compile(graph, name, fingerprint, whole_key if covers else None)
+                if isinstance(outcome, convert.ConversionError) and outcome.unconverted:
+                    new = {n for n in outcome.unconverted} - unconvertible
+                    if new:
+                        unconvertible |= {normalise(graph, name, op) for op in new}
+                        retry = True
+                        break
+            if not retry:
+                break
+            traced = convert.trace_static(self.inputs.closure(weight_values, scalars), tensors,
+                                          self.decompositions)
+        if report.fallback_ops:
+            self.context.fail(f"{self.name} {report.signature}: ops left in PyTorch: "
+                              + ", ".join(f"{op} ({why})" for op, why in sorted(report.fallback_ops.items())))
+        in_ov = any(p.in_openvino for p in report.partitions)
+        if not in_ov:
+            report.route = "eager"
+        logger.info("OpenVINO compiled %s", report.summary())
+        scalar_free = graph
+
+        def run(user: Sequence[Any]) -> Any:
+            return scalar_free(*[v for pos, v in enumerate(user) if pos not in scalars])
+
+        return Variant(run, in_openvino=in_ov)
+
+    def _convert_and_compile(self, graph: torch.fx.GraphModule, name: str, fingerprint: str,
+                             key: str | None = None) -> convert.ConversionError | None:
+        context = self.context
+        report = self.report
+        sub = graph.get_submodule(name)
+        part = PartitionReport(name, ops=sum(1 for n in sub.graph.nodes if n.op == "call_function"))
+        report.partitions.append(part)
+        # hashing the constants costs time: only for the disk cache
+        if key is None and context.settings.model_caching:
+            key = context.key("partition", name, fingerprint, {
+                "code": sub.code, "constants": weights.fingerprint(list(sub.buffers()), context.digests),
+                "inputs": [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"]})
+        model: ov.Model | Path | None = context.cache_file(key) if key else None
+        part.cache_hit = model is not None
+        if model is None:
+            start = time.perf_counter()
+            try:
+                model = convert.convert_partition(sub)
+            except convert.ConversionError as err:
+                part.in_openvino = False
+                if err.unconverted:
+                    return err
+                report.warnings.append(f"{name}: {err}")
+                context.fail(f"{self.name} {report.signature}: partition {name} could not be converted ({err})",
+                             err)
+                return err
+            part.convert_seconds = time.perf_counter() - start
+            if key:
+                # compiled from its cache file, OpenVINO's blob is found again by the next process
+                model = context.cache_store(key, model, f"{self.name} {name} {report.signature}") or model
+        try:
+            compiled = context.compile(model, part)
+        except RuntimeError as err:
+            part.in_openvino = False
+            report.warnings.append(f"{name}: compile failed: {err}")
+            context.fail(f"{self.name} {report.signature}: partition {name} could not be compiled ({err})", err)
+            return None
+        outputs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        out_nodes = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        single = not isinstance(outputs, (tuple, list))
+        setattr(graph, name, OVModule(OVRunner(compiled, [output_dtype(o) for o in out_nodes]), single))
+        graph.recompile()
+        return None
+
+
+def normalise(graph: torch.fx.GraphModule, name: str, reported: str) -> str:
+    """Map an op name the frontend reported ("aten.foo.default") to our node op name."""
+    sub = graph.get_submodule(name)
+    for node in sub.graph.nodes:
+        if node.op == "call_function" and (node_op_name(node) == reported or str(node.target) == reported):
+            return node_op_name(node)
+    return reported
+
+
+def covers_whole_graph(graph: torch.fx.GraphModule, names: Sequence[str]) -> bool:
+    """True when one partition takes every graph input in order and gives every output in order."""
+    if len(names) != 1:
+        return False
+    nodes = list(graph.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    calls = [n for n in nodes if n.op == "call_module"]
+    if len(calls) != 1 or list(calls[0].args) != placeholders or calls[0].kwargs:
+        return False
+    call = calls[0]
+    outputs = next(n for n in nodes if n.op == "output").args[0]
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for position, out in enumerate(outputs):
+        if out is call and len(outputs) == 1:
+            continue
+        if not (isinstance(out, torch.fx.Node) and out.op == "call_function" and out.target is operator.getitem
+                and out.args[0] is call and out.args[1] == position):
+            return False
+    extra = [n for n in nodes
+             if n.op == "call_function" and not (n.target is operator.getitem and n.args[0] is call)]
+    return not extra

@@ -1,0 +1,91 @@
+"""The models one graph keeps: per set of weights, per input signature.
+
+Owns :class:`Variant` (how one signature runs: OpenVINO or PyTorch) and :class:`WeightVariants`,
+the small LRU of weight sets (e.g. LoRA combinations) whose variants stay in memory. Noticing a
+change of weights costs microseconds on each call (:class:`ov_backend.weights.WeightWatch`); only
+a change hashes the weights' contents, whose fingerprint names the set in cache keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ov_backend import weights
+from ov_backend.inputs import GraphInputs
+
+logger = logging.getLogger(__name__)
+
+#: How many sets of weights (e.g. LoRA combinations) keep compiled models in memory per graph.
+MAX_WEIGHT_VARIANTS = 2
+
+
+class Variant:
+    """How one signature runs: a partitioned graph, a single OpenVINO model, or eager PyTorch.
+
+    Args:
+        run: takes the call's user inputs, returns the graph's outputs.
+        in_openvino: whether any of it runs in OpenVINO.
+    """
+
+    def __init__(self, run: Callable[[Sequence[Any]], Any], in_openvino: bool) -> None:
+        self.run = run
+        self.in_openvino = in_openvino
+
+
+def eager_variant(inputs: GraphInputs, weight_values: Sequence[torch.Tensor]) -> Variant:
+    """The graph run in PyTorch with these weights."""
+    frozen = list(weight_values)
+    return Variant(lambda user: inputs.gm(*inputs.full_args(user, frozen)), in_openvino=False)
+
+
+class WeightVariants:
+    """Variants by weights fingerprint, the last :data:`MAX_WEIGHT_VARIANTS` sets of weights kept.
+
+    Args:
+        inputs: the graph's inputs (to check that weights hold data).
+        name: the graph's name, for logs.
+        digests: the per-tensor digest memo shared by the backend's graphs.
+        lock: the graph's lock (re-entrant), held while the current set changes.
+    """
+
+    def __init__(self, inputs: GraphInputs, name: str, digests: weights.DigestMemo,
+                 lock: threading.RLock) -> None:
+        self._inputs = inputs
+        self._name = name
+        self._digests = digests
+        self._lock = lock
+        self._watch: weights.WeightWatch | None = None
+        self._fingerprint: str | None = None
+        self._by_weights: OrderedDict[str, dict[Any, Any]] = OrderedDict()
+
+    def current(self, weight_values: Sequence[torch.Tensor]) -> tuple[str, dict[Any, Any]]:
+        """The fingerprint of these weights and the variants built for them (a dict to fill)."""
+        watch = self._watch
+        fp = self._fingerprint
+        if watch is not None and not watch.changed(weight_values) and fp is not None:
+            return fp, self._by_weights[fp]
+        with self._lock:
+            if self._watch is not None and not self._watch.changed(weight_values) and self._fingerprint:
+                return self._fingerprint, self._by_weights[self._fingerprint]
+            self._inputs.check_loaded(weight_values)
+            start = time.perf_counter()
+            fp = weights.fingerprint(weight_values, self._digests)
+            if self._watch is not None:
+                logger.info("%s: weights changed (fingerprint %s, %.2fs); %s", self._name, fp[:12],
+                            time.perf_counter() - start,
+                            "reusing models built for them" if fp in self._by_weights else "will recompile")
+            if fp not in self._by_weights:
+                self._by_weights[fp] = {}
+                while len(self._by_weights) > MAX_WEIGHT_VARIANTS:
+                    self._by_weights.popitem(last=False)
+            self._by_weights.move_to_end(fp)
+            self._fingerprint = fp
+            self._watch = weights.WeightWatch(weight_values)
+            return fp, self._by_weights[fp]
