@@ -71,25 +71,32 @@ class StaticBuild:
             return eager_variant(self.inputs, weight_values)
         report.trace_seconds = time.perf_counter() - start
         unconvertible: set[str] = set()
-        for _attempt in range(MAX_ATTEMPTS):
+        earlier_warnings = list(report.warnings)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
             support = OpenVINOSupport(self.context.settings.disabled_ops, unconvertible)
             graph, names = convert.partition(traced, support)
             report.fallback_ops = dict(support.rejected)
             report.partitions = []
-            retry = False
+            report.warnings = list(earlier_warnings)
+            leave_out: set[str] = set()
             # a graph that is one partition is cached under the graph's own key: the next process
             # finds it without tracing
             covers = bool(whole_key) and not support.rejected and covers_whole_graph(graph, names)
             for name in names:
                 outcome = self._convert_and_compile(graph, name, fingerprint, whole_key if covers else None)
-                if isinstance(outcome, convert.ConversionError) and outcome.unconverted:
-                    new = {n for n in outcome.unconverted} - unconvertible
-                    if new:
-                        unconvertible |= {normalise(graph, name, op) for op in new}
-                        retry = True
-                        break
-            if not retry:
+                if not (isinstance(outcome, convert.ConversionError) and outcome.unconverted):
+                    continue
+                # ops the partition holds can be left to PyTorch by partitioning again
+                held = ops_in(graph, name, outcome.unconverted) - unconvertible
+                if held and attempt < MAX_ATTEMPTS:
+                    leave_out = held
+                    break
+                self._keep_in_pytorch(name, outcome, (
+                    f"still refused after partitioning {MAX_ATTEMPTS} times" if held
+                    else "it holds no op of that name to leave to PyTorch"))
+            if not leave_out:
                 break
+            unconvertible |= leave_out
             traced = convert.trace_static(self.inputs.closure(weight_values, scalars), tensors,
                                           self.decompositions)
         if report.fallback_ops:
@@ -106,8 +113,20 @@ class StaticBuild:
 
         return Variant(run, in_openvino=in_ov)
 
+    def _keep_in_pytorch(self, name: str, err: convert.ConversionError, why: str) -> None:
+        """Partition ``name`` runs in PyTorch: reported, with a WARNING (or raise when strict)."""
+        self.report.warnings.append(f"{name}: {err} ({why})")
+        self.context.fail(f"{self.name} {self.report.signature}: partition {name} could not be converted "
+                          f"({err}; {why})", err)
+
     def _convert_and_compile(self, graph: torch.fx.GraphModule, name: str, fingerprint: str,
                              key: str | None = None) -> convert.ConversionError | None:
+        """Convert and compile partition ``name`` and put it in ``graph`` (cached under ``key``).
+
+        Returns the error of a conversion the frontend refused for unconverted ops, which the caller
+        handles (partition again, or keep the partition in PyTorch); other failures are reported
+        here. None: in OpenVINO, or a failure already reported.
+        """
         context = self.context
         report = self.report
         sub = graph.get_submodule(name)
@@ -151,13 +170,13 @@ class StaticBuild:
         return None
 
 
-def normalise(graph: torch.fx.GraphModule, name: str, reported: str) -> str:
-    """Map an op name the frontend reported ("aten.foo.default") to our node op name."""
+def ops_in(graph: torch.fx.GraphModule, name: str, reported: Sequence[str]) -> set[str]:
+    """The op names (as :func:`ov_backend.ops.node_op_name` gives them) of the nodes of partition
+    ``name`` that the frontend reported ("aten.foo.default" or the target's own spelling)."""
+    wanted = set(reported)
     sub = graph.get_submodule(name)
-    for node in sub.graph.nodes:
-        if node.op == "call_function" and (node_op_name(node) == reported or str(node.target) == reported):
-            return node_op_name(node)
-    return reported
+    return {node_op_name(node) for node in sub.graph.nodes
+            if node.op == "call_function" and (node_op_name(node) in wanted or str(node.target) in wanted)}
 
 
 def covers_whole_graph(graph: torch.fx.GraphModule, names: Sequence[str]) -> bool:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ov_backend import OpenVINOFallbackError, OVBackend, convert
+from ov_backend.ops import node_op_name
 
 from .conftest import F32_ATOL, F32_RTOL, small_cnn
 
@@ -66,3 +67,64 @@ def test_weights_left_on_the_meta_device_are_named():
     compiled = torch.compile(WithMetaBuffer().eval(), backend=OVBackend())
     with pytest.raises(ValueError, match=r"position_ids.*meta device"), torch.no_grad():
         compiled(torch.ones(5, 4))
+
+
+class _Chain(torch.nn.Module):
+    """Two runs of elementwise ops with ``abs`` between them (disable it to get two partitions)."""
+
+    def forward(self, x):
+        y = torch.relu(torch.tanh(torch.exp(torch.cos(torch.sin(x * 0.5)))))
+        return torch.neg(torch.sigmoid(torch.abs(y) + 1.0))
+
+
+def _node_names(sub):
+    return [node_op_name(n) for n in sub.graph.nodes if n.op == "call_function"]
+
+
+def _failing_on_sin(report_op):
+    """A converter whose frontend reports ``report_op(partition ops)`` unconvertible in the partition holding sin."""
+    real = convert.convert_partition
+
+    def fake(sub):
+        names = _node_names(sub)
+        if "aten.sin.default" in names:
+            raise convert.ConversionError("forced: no conversion rule", [report_op(names)])
+        return real(sub)
+
+    return fake
+
+
+_MADE_UP = {
+    # each retry leaves the reported op to PyTorch, and the frontend reports the next one, until no retry is left
+    "a new op every time": lambda names: names[-1],
+    # an op the partition does not hold: a new partitioning cannot leave it out
+    "an op not in the partition": lambda names: "aten.made_up_for_the_test.default",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MADE_UP))
+def test_partition_the_frontend_keeps_rejecting_runs_in_pytorch_with_warning(monkeypatch, caplog, case):
+    monkeypatch.setattr(convert, "convert_partition", _failing_on_sin(_MADE_UP[case]))
+    backend = OVBackend({"disabled_ops": ["aten.abs.default"], "config": {"INFERENCE_PRECISION_HINT": "f32"}})
+    model = _Chain()
+    x = torch.randn(2, 8)
+    with caplog.at_level(logging.WARNING, logger="ov_backend"), torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    (report,) = backend.reports
+    failed = [p for p in report.partitions if not p.in_openvino]
+    assert len(failed) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"partition {failed[0].name}" in w and "forced: no conversion rule" in w and "PyTorch" in w
+               for w in warnings), warnings
+    assert any(failed[0].name in w for w in report.warnings)
+    # the partition after abs is converted, reported and run in OpenVINO
+    assert [p.in_openvino for p in report.partitions] == [False, True]
+    assert backend.stats()["ov_calls"] == 1
+
+
+@pytest.mark.parametrize("case", sorted(_MADE_UP))
+def test_partition_the_frontend_keeps_rejecting_raises_when_strict(monkeypatch, case):
+    monkeypatch.setattr(convert, "convert_partition", _failing_on_sin(_MADE_UP[case]))
+    compiled = torch.compile(_Chain(), backend=OVBackend({"strict": True}))
+    with pytest.raises(OpenVINOFallbackError, match="forced: no conversion rule"), torch.no_grad():
+        compiled(torch.randn(2, 8))
