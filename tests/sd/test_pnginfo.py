@@ -54,12 +54,16 @@ def test_written_text_by_hand() -> None:
     text = format_infotext("a cat\nsitting", "blurry, bad", {
         "Steps": 20, "Sampler": "Euler a", "Skipped": None, "Empty": "", "Lora hashes": "x: 1, y: 2", "Seed": 5,
     })
-    assert text == 'a cat\nsitting\nNegative prompt: blurry, bad\nSteps: 20, Sampler: Euler a, Lora hashes: "x: 1, y: 2", Seed: 5'
+    assert text == (
+        'a cat\nsitting\nNegative prompt: blurry, bad\nSteps: 20, Sampler: Euler a, Lora hashes: "x: 1, y: 2", Seed: 5'
+    )
     assert format_infotext("p", "", {"Steps": 1}) == "p\nSteps: 1"
 
 
 def test_fields_by_hand() -> None:
-    line = 'Steps: 20, Hires upscale: 2, Flag, Lora hashes: "a: 1, b: \\"2\\"", Bad "quote": 3, Xx: "not json, Yy: 4, Z: 5'
+    line = (
+        'Steps: 20, Hires upscale: 2, Flag, Lora hashes: "a: 1, b: \\"2\\"", Bad "quote": 3, Xx: "not json, Yy: 4, Z: 5'
+    )
     assert parameter_fields(line) == [
         ("Steps", "20"), ("Hires upscale", "2"), ("Lora hashes", 'a: 1, b: "2"'), ("Xx", '"not json'), ("Yy", "4"),
     ]
