@@ -1,8 +1,8 @@
 """The WebUI's noise levels: the model's discrete sigmas and the schedules its samplers walk.
 
-Owns what A1111 v1.10 computes before a sampler runs (read from ``modules/sd_schedulers.py``,
-``modules/sd_samplers_kdiffusion.py``, ``modules/sd_samplers_timesteps.py`` and k-diffusion's
-``external.py`` / ``sampling.py``; written here from those definitions):
+Owns what A1111 v1.10 computes before a sampler runs (its behaviour, checked number by number in
+``tests/sd/test_webui_schedules.py``). The timestep <-> sigma maps and the Karras / exponential
+schedules follow k-diffusion's arithmetic (MIT, see NOTICE) so the UNet gets the same timesteps:
 
 - ``webui_alphas_cumprod``: the model's cumulative alphas as ldm builds them (betas and their
   cumulative product in float64, stored as float32); diffusers multiplies in float32.
@@ -90,6 +90,8 @@ def webui_sigmas(
     Raises:
         ValueError: an unknown schedule.
     """
+    # DPM2 steps to the next sigma through a midpoint; the WebUI plans one step more and leaves out
+    # the last nonzero sigma, so the final step goes from the second-to-last one straight to 0.
     n = steps + 1 if discard_penultimate else steps
     sigma_min, sigma_max = sigmas[0].item(), sigmas[-1].item()
     if schedule == "uniform":
@@ -102,10 +104,9 @@ def webui_sigmas(
         out = torch.linspace(math.log(sigma_max), math.log(sigma_min), n).exp()
     else:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
-    out = torch.cat([out, out.new_zeros(1)])
     if discard_penultimate:
-        out = torch.cat([out[:-2], out[-1:]])
-    return out
+        out = out[:-1]
+    return torch.cat([out, out.new_zeros(1)])
 
 
 def ddim_timesteps(steps: int, train_steps: int = 1000) -> list[int]:

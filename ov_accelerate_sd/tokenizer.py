@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from transformers import CLIPTokenizer
+from transformers.models.clip.tokenization_clip import bytes_to_unicode
 
 from .paths import user_cache_dir
 
@@ -49,27 +50,19 @@ def find_bpe_file() -> Path:
     return path
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """CLIP's reversible byte -> printable character table."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    codes = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, (chr(c) for c in codes)))
-
-
 def build_vocab(merges: list[str]) -> dict[str, int]:
-    """The token -> id table CLIP builds from its merges."""
-    symbols = list(_bytes_to_unicode().values())
-    vocab = symbols + [s + "</w>" for s in symbols]
-    vocab += ["".join(m.split()) for m in merges]
-    vocab += ["<|startoftext|>", "<|endoftext|>"]
-    return {token: i for i, token in enumerate(vocab)}
+    """The token -> id table of CLIP's BPE vocabulary, from its merge rules.
+
+    The ids are a fixed layout the text encoders' embeddings were trained on: the 256 byte
+    symbols (in the byte-to-printable-character order of GPT-2's BPE, here taken from
+    transformers), the same symbols as word ends ("</w>"), one token per merge rule in file
+    order, then the start and end tokens.
+    """
+    symbols = list(bytes_to_unicode().values())
+    tokens = [*symbols, *(symbol + "</w>" for symbol in symbols)]
+    tokens += [merge.replace(" ", "") for merge in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return {token: index for index, token in enumerate(tokens)}
 
 
 def _write_atomic(path: Path, text: str) -> None:
