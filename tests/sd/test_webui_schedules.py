@@ -179,3 +179,124 @@ def test_img2img_starts_at_the_webui_sigma_with_the_webui_noise(sd1: Generator, 
     got = [t for _, t in calls]
     assert np.allclose(got, want, rtol=0, atol=T_TOLERANCE), (got, want)
     assert torch.allclose(calls[0][0], first, rtol=1e-4, atol=1e-4)
+
+
+# -- whole trajectories, with a denoiser whose answer is known -----------------------------------------
+#
+# For data x0 ~ N(0, S^2) per element, the ideal denoiser is linear: D(x, sigma) = x S^2 / (S^2 + sigma^2),
+# and the ideal noise prediction of the UNet (input x / sqrt(sigma^2 + 1)) is eps = x sigma / (S^2 + sigma^2).
+# Every deterministic sampler then maps the start latent to a multiple of it; the multiple is worked out
+# below in float64 from the samplers' published update rules (Karras et al. 2022 Euler/Heun, k-diffusion's
+# DPM2 and LMS, Lu et al. 2022 DPM-Solver++(2M), Song et al. 2020 DDIM with eta 0) on the WebUI's schedule.
+
+S = 0.8
+
+
+def _denoise(x: float, sigma: float) -> float:
+    return x * S * S / (S * S + sigma * sigma)
+
+
+def _lms_coefficient(sigmas: list[float], i: int, j: int, order: int) -> float:
+    """Integral over [sigma_i, sigma_i+1] of the Lagrange basis polynomial of sigma_(i-j) on the last points."""
+    nodes = [sigmas[i - k] for k in range(order)]
+    basis = np.poly1d([1.0])
+    for k, node in enumerate(nodes):
+        if k != j:
+            basis *= np.poly1d([1.0, -node]) / (nodes[j] - node)
+    integral = basis.integ()
+    return float(integral(sigmas[i + 1]) - integral(sigmas[i]))
+
+
+def reference_multiple(sampler: str, s: list[float]) -> float:
+    """The final latent over the start latent (``s[0]`` times the unit noise) for a k-diffusion sampler."""
+    x = s[0]
+    ds: list[float] = []
+    old_denoised = None
+    for i in range(len(s) - 1):
+        sigma, nxt = s[i], s[i + 1]
+        denoised = _denoise(x, sigma)
+        d = (x - denoised) / sigma
+        if sampler == "Euler" or (sampler in ("Heun", "DPM2") and nxt == 0):
+            x = x + d * (nxt - sigma)
+        elif sampler == "Heun":
+            x2 = x + d * (nxt - sigma)
+            d2 = (x2 - _denoise(x2, nxt)) / nxt
+            x = x + (d + d2) / 2 * (nxt - sigma)
+        elif sampler == "DPM2":
+            mid = math.exp((math.log(sigma) + math.log(nxt)) / 2)
+            x2 = x + d * (mid - sigma)
+            x = x + (x2 - _denoise(x2, mid)) / mid * (nxt - sigma)
+        elif sampler == "LMS":
+            ds.append(d)
+            order = min(i + 1, 4)
+            x = x + sum(_lms_coefficient(s, i, j, order) * ds[-1 - j] for j in range(order))
+        elif sampler == "DPM++ 2M":
+            h = math.log(sigma) - math.log(nxt) if nxt > 0 else math.inf
+            if old_denoised is None or nxt == 0:
+                estimate = denoised
+            else:
+                r = (math.log(s[i - 1]) - math.log(sigma)) / h
+                estimate = (1 + 1 / (2 * r)) * denoised - old_denoised / (2 * r)
+            x = nxt / sigma * x + (1 - (nxt / sigma)) * estimate if nxt > 0 else estimate
+            old_denoised = denoised
+        else:
+            raise AssertionError(sampler)
+    return x
+
+
+def reference_ddim_multiple(steps: int) -> float:
+    """DDIM (eta 0) on the WebUI's grid, in the variance-preserving latent, from unit noise."""
+    grid = ddim_grid(steps)
+    x = 1.0
+    for t, t_prev in zip(grid[:0:-1], grid[-2::-1]):
+        a, a_prev = ACP[t], ACP[t_prev]
+        sigma = math.sqrt((1 - a) / a)
+        eps = x / math.sqrt(a) * sigma / (S * S + sigma * sigma)
+        x0 = (x - math.sqrt(1 - a) * eps) / math.sqrt(a)
+        x = math.sqrt(a_prev) * x0 + math.sqrt(1 - a_prev) * eps
+    return x
+
+
+def _ideal_unet_forward(self: torch.nn.Module, sample: torch.Tensor, timestep: torch.Tensor, *args: object,
+                        **kwargs: object) -> object:
+    from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+    sigma = t_to_sigma(float(torch.as_tensor(timestep).flatten()[0]))
+    x = sample.double() * math.sqrt(sigma * sigma + 1)
+    return UNet2DConditionOutput(sample=(x * sigma / (S * S + sigma * sigma)).to(sample.dtype))
+
+
+TRAJECTORY_STEPS = 6
+TRAJECTORIES = ["Euler", "Heun", "LMS", "LMS Karras", "DPM2", "DPM2 Karras", "DPM++ 2M", "DDIM"]
+
+
+@pytest.mark.parametrize("name", TRAJECTORIES)
+def test_whole_trajectory_with_the_ideal_gaussian_denoiser(
+    sd1: Generator, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from diffusers import UNet2DConditionModel
+
+    monkeypatch.setattr(UNet2DConditionModel, "forward", _ideal_unet_forward)
+    vae = sd1.components.vae
+    finals: list[torch.Tensor] = []
+    original_decode = vae.decode
+
+    def decode(latents: torch.Tensor, *args: object, **kwargs: object) -> object:
+        finals.append(latents.double() * vae.config.scaling_factor)
+        return original_decode(latents, *args, **kwargs)
+
+    monkeypatch.setattr(vae, "decode", decode)
+    job = GenerationJob("a cat", steps=TRAJECTORY_STEPS, sampler=name, width=64, height=64, seed=3,
+                        cfg_scale=1.0).validated()
+    sd1.run_batch(job, 0)
+    noise = initial_noise(3, 64, 64).double()
+    base = name.removesuffix(" Karras")
+    if base == "DDIM":
+        multiple = reference_ddim_multiple(TRAJECTORY_STEPS)
+    else:
+        kind = "karras" if name.endswith(" Karras") or base in ("DPM++ 2M", "DPM2") else "uniform"
+        multiple = reference_multiple(base, schedule(TRAJECTORY_STEPS, kind, discard=base == "DPM2"))
+    (final,) = finals
+    assert torch.allclose(final, noise * multiple, rtol=2e-4, atol=1e-5), (
+        float((final / noise).median()), multiple,
+    )
