@@ -127,7 +127,7 @@ def assert_matches(
 ) -> None:
     assert_ran_in_openvino(fast.status, parts)
     value = min_psnr(stock, fast)
-    webui.record(what, value)
+    webui.record(what, value, fast)
     assert value >= MIN_PSNR, f"{what}: {value:.1f} dB\n{fast.status['status']}"
 
 

@@ -236,10 +236,16 @@ class WebUI:
         seconds = time.time() - t0
         return Result([decode_image(b) for b in response["images"]], json.loads(response["info"]), seconds)
 
-    def record(self, what: str, psnr_db: float) -> None:
-        """Note a measured PSNR in ``<log dir>/psnr.tsv`` (the numbers the README and closing notes quote)."""
+    def record(self, what: str, psnr_db: float, run: Result | None = None) -> None:
+        """Note a measured PSNR (and the accelerated run's time, compiles and cache hits) in
+        ``<log dir>/psnr.tsv``: the numbers the README and closing notes quote."""
+        extra = ""
+        if run is not None and run.status:
+            st = run.status
+            extra = (f"\t{run.seconds:.1f} s\tcompiles {st.get('compiles')}"
+                     f"\tcompile {st.get('compile_seconds', 0):.1f} s\tcache hits {st.get('cache_hits')}")
         with open(self.log_dir / "psnr.tsv", "a") as f:
-            f.write(f"{what}\t{psnr_db:.1f}\n")
+            f.write(f"{what}\t{psnr_db:.1f}{extra}\n")
 
     def status(self) -> dict[str, Any]:
         """The extension's report of its last run (``GET /openvino-accelerate/v1/status``)."""
