@@ -5,7 +5,8 @@ loop (ops the OpenVINO frontend reports it cannot convert are left to PyTorch an
 partitioned again), converting and compiling each partition (from the cache when it holds it),
 and the whole-graph cache key for a graph that is one partition. Every partition that stays in
 PyTorch is in the compile report with its reason and logged as a WARNING, or raises when
-``strict`` (see :meth:`ov_backend.context.BuildContext.fail`).
+``strict`` (see :meth:`ov_backend.context.BuildContext.fail`); partitions with fewer ops than
+``min_partition_ops`` stay in PyTorch by the user's choice (WARNING, no raise).
 """
 
 from __future__ import annotations
@@ -82,7 +83,12 @@ class StaticBuild:
             # a graph that is one partition is cached under the graph's own key: the next process
             # finds it without tracing
             covers = bool(whole_key) and not support.rejected and covers_whole_graph(graph, names)
+            small = {name: aten_op_count(graph.get_submodule(name)) for name in names}
+            small = {name: ops for name, ops in small.items() if ops < self.context.settings.min_partition_ops}
             for name in names:
+                if name in small:
+                    report.partitions.append(PartitionReport(name, ops=small[name], in_openvino=False))
+                    continue
                 outcome = self._convert_and_compile(graph, name, fingerprint, whole_key if covers else None)
                 if not (isinstance(outcome, convert.ConversionError) and outcome.unconverted):
                     continue
@@ -95,6 +101,7 @@ class StaticBuild:
                     f"still refused after partitioning {MAX_ATTEMPTS} times" if held
                     else "it holds no op of that name to leave to PyTorch"))
             if not leave_out:
+                self._keep_small_in_pytorch(small)
                 break
             unconvertible |= leave_out
             traced = convert.trace_static(self.inputs.closure(weight_values, scalars), tensors,
@@ -113,6 +120,19 @@ class StaticBuild:
 
         return Variant(run, in_openvino=in_ov)
 
+    def _keep_small_in_pytorch(self, small: dict[str, int]) -> None:
+        """Partitions under ``min_partition_ops`` run in PyTorch: reported, with a WARNING.
+
+        The user's policy, not a failure: ``strict`` does not raise for it.
+        """
+        if not small:
+            return
+        limit = self.context.settings.min_partition_ops
+        listed = ", ".join(f"{name} ({ops} op{'s' if ops != 1 else ''})" for name, ops in small.items())
+        self.report.warnings.append(f"fewer ops than min_partition_ops={limit}: {listed}")
+        logger.warning("%s %s: partitions with fewer ops than min_partition_ops=%d: %s; running them in PyTorch",
+                       self.name, self.report.signature, limit, listed)
+
     def _keep_in_pytorch(self, name: str, err: convert.ConversionError, why: str) -> None:
         """Partition ``name`` runs in PyTorch: reported, with a WARNING (or raise when strict)."""
         self.report.warnings.append(f"{name}: {err} ({why})")
@@ -130,7 +150,7 @@ class StaticBuild:
         context = self.context
         report = self.report
         sub = graph.get_submodule(name)
-        part = PartitionReport(name, ops=sum(1 for n in sub.graph.nodes if n.op == "call_function"))
+        part = PartitionReport(name, ops=aten_op_count(sub))
         report.partitions.append(part)
         # hashing the constants costs time: only for the disk cache
         if key is None and context.settings.model_caching:
@@ -168,6 +188,11 @@ class StaticBuild:
         setattr(graph, name, OVModule(OVRunner(compiled, [output_dtype(o) for o in out_nodes]), single))
         graph.recompile()
         return None
+
+
+def aten_op_count(sub: torch.fx.GraphModule) -> int:
+    """How many ops a partition holds, not counting Python's ``getitem`` and size arithmetic."""
+    return sum(1 for n in sub.graph.nodes if n.op == "call_function" and not node_op_name(n).startswith("_operator."))
 
 
 def ops_in(graph: torch.fx.GraphModule, name: str, reported: Sequence[str]) -> set[str]:

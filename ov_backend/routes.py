@@ -25,7 +25,7 @@ import torch
 from ov_backend import convert
 from ov_backend.context import BuildContext
 from ov_backend.inputs import GraphInputs, signature_text
-from ov_backend.ops import decomposition_table
+from ov_backend.ops import decomposition_table, node_op_name
 from ov_backend.partitions import StaticBuild
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVRunner
@@ -52,6 +52,8 @@ class GraphBuilder:
         self.name = name
         self._graph_code = inputs.gm.code
         self._decomp = decomposition_table(context.settings.decompositions)
+        self._torch_op_count = sum(1 for n in inputs.gm.graph.nodes if n.op == "call_method" or (
+            n.op == "call_function" and not node_op_name(n).startswith("_operator.")))
 
     def build(self, sig: tuple[Any, ...], user_values: Sequence[Any], weight_values: Sequence[torch.Tensor],
               variants: dict[Any, Any], fingerprint: str) -> Variant:
@@ -66,7 +68,9 @@ class GraphBuilder:
         start = time.perf_counter()
         try:
             with convert.build_lock():
-                if self.inputs.dynamic_dims is not None and not settings.disabled_ops:
+                # a graph smaller than min_partition_ops goes the static route, whose partitions are counted
+                if (self.inputs.dynamic_dims is not None and not settings.disabled_ops
+                        and self._torch_op_count >= settings.min_partition_ops):
                     variant = self._build_dynamic(sig, user_values, weight_values, variants, fingerprint, report)
                     if variant is not None:
                         return variant
@@ -132,7 +136,9 @@ class GraphBuilder:
         context = self.context
         whole_key = None
         if context.settings.model_caching and self.inputs.outputs_are_tensors():
-            whole_key = context.key("whole", sig, fingerprint, {"graph": self._graph_code})
+            # whether the graph is one partition depends on min_partition_ops
+            whole_key = context.key("whole", sig, fingerprint, {
+                "graph": self._graph_code, "min_partition_ops": context.settings.min_partition_ops})
             cached = self._from_whole_graph_entry(whole_key, report)
             if cached is not None:
                 return cached

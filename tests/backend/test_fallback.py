@@ -128,3 +128,43 @@ def test_partition_the_frontend_keeps_rejecting_raises_when_strict(monkeypatch, 
     compiled = torch.compile(_Chain(), backend=OVBackend({"strict": True}))
     with pytest.raises(OpenVINOFallbackError, match="forced: no conversion rule"), torch.no_grad():
         compiled(torch.randn(2, 8))
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_partitions_under_min_partition_ops_run_in_pytorch_with_warning(caplog):
+    # _Chain's partitions: mul sin cos exp tanh relu (6 ops) | abs in PyTorch | add sigmoid neg (3 ops)
+    backend = OVBackend({"disabled_ops": ["aten.abs.default"], "min_partition_ops": 4,
+                         "config": {"INFERENCE_PRECISION_HINT": "f32"}})
+    model = _Chain()
+    x = torch.randn(2, 8)
+    with caplog.at_level(logging.WARNING, logger="ov_backend"), torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    (report,) = backend.reports
+    assert [(p.ops, p.in_openvino) for p in report.partitions] == [(6, True), (3, False)]
+    small = report.partitions[1].name
+    assert any("min_partition_ops=4" in w and f"{small} (3 ops)" in w for w in report.warnings)
+    assert any("min_partition_ops=4" in w and f"{small} (3 ops)" in w and "PyTorch" in w for w in _warnings(caplog))
+    assert not report.fully_in_openvino
+
+
+def test_graph_under_min_partition_ops_runs_in_pytorch_even_when_strict(caplog, tmp_path):
+    """A user's policy, not a failure: strict does not raise; a cached whole-graph model is not used either."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU()).eval()  # addmm (or linear) + relu
+    x = torch.randn(3, 8)
+    options = {"strict": True, "model_caching": True, "cache_dir": str(tmp_path),
+               "config": {"INFERENCE_PRECISION_HINT": "f32"}}
+    first = OVBackend(options)
+    with torch.no_grad():
+        torch.compile(model, backend=first)(x)
+    assert first.reports[0].fully_in_openvino  # and cached as one whole-graph model
+    torch._dynamo.reset()
+    backend = OVBackend({**options, "min_partition_ops": 5})
+    with caplog.at_level(logging.WARNING, logger="ov_backend"), torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x), atol=0, rtol=0)
+    (report,) = backend.reports
+    assert report.route == "eager" and not any(p.in_openvino for p in report.partitions)
+    assert any("min_partition_ops=5" in w for w in _warnings(caplog))
+    assert backend.stats()["eager_calls"] == 1 and backend.stats()["ov_calls"] == 0

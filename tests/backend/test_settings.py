@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,9 @@ def test_defaults(monkeypatch):
     assert s.config == () and s.disabled_ops == ()
 
 
-def test_option_names_are_the_stock_set_plus_strict():
+def test_option_names_are_the_stock_set_plus_ours():
     assert set(OPTION_NAMES) == {"device", "model_caching", "cache_dir", "config", "decompositions",
-                                 "disabled_ops", "aot_autograd", "strict"}
+                                 "disabled_ops", "aot_autograd", "strict", "min_partition_ops"}
 
 
 def test_unknown_option_is_named():
@@ -84,3 +85,13 @@ def test_frozen_and_replace():
     assert s.config_dict == {"INFERENCE_PRECISION_HINT": "f32"}
     assert build_settings(t) == t
     assert isinstance(t, BackendSettings)
+
+
+def test_min_partition_ops():
+    assert build_settings().min_partition_ops == 1
+    assert build_settings({"min_partition_ops": 3}).min_partition_ops == 3
+    assert build_settings({"min_partition_ops": " 4 "}).min_partition_ops == 4
+    for bad in (0, -2, 1.5, "two", True):
+        with pytest.raises(ValueError, match=r"'min_partition_ops' must be a whole number >= 1 \(partitions with "
+                                             r"fewer aten ops run in PyTorch.*got " + re.escape(repr(bad))):
+            build_settings({"min_partition_ops": bad})
