@@ -39,6 +39,7 @@ from .backend_bridge import BackendApi
 from .compiled_route import VARYING_DIMS, CompiledRoute, make_forward
 from .finite_guard import F32Switch
 from .graph_runs import GraphRunCounter
+from .lora import LoraHook
 from .model_parts import Target, checkpoint_key, find_targets
 from .routing import Route
 from .settings import PRECISION_F32, AccelerateSettings
@@ -102,6 +103,7 @@ class Accelerator:
         self._backends: dict[BackendKey, Any] = {}
         self._counters: dict[BackendKey, GraphRunCounter] = {}
         self._compiled: dict[tuple[BackendKey, str], list[CompiledRoute]] = {}
+        self._lora = LoraHook(self._lock)
 
     def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str) -> PreparedRun:
         """Find the parts of ``model`` to accelerate and get (or make) their compiled forwards.
@@ -233,7 +235,7 @@ class Accelerator:
 
     def _make_forward(self, entry: CompiledRoute, f32_options: Mapping[str, Any] | None) -> Callable[..., Any]:
         f32_build = None if f32_options is None else (lambda: self._f32_build(entry, f32_options))
-        return make_forward(entry, self._lock, self._notify, f32_build)
+        return self._lora.wrap(make_forward(entry, self._lock, self._notify, f32_build), entry)
 
     def _drop_all(self) -> None:
         compiled_any = bool(self._compiled)
