@@ -18,8 +18,13 @@ import numpy as np
 import pytest
 
 FAKE_HOST = Path(__file__).parent / "fake_a1111"
-#: Largest per-pixel difference (0..255) between an image made with OpenVINO at f32 and PyTorch's.
-IMAGE_TOLERANCE = 3
+#: Largest per-pixel difference (0..255 scale) between an image made with OpenVINO at f32 and PyTorch's,
+#: measured on the decoded image before 8-bit rounding (``Processed.samples_255`` of the fake host). On the
+#: tiny models f32 differences measure below 0.001 (SD1, SDXL); scaling the UNet's output by 1.01 moves the
+#: image by 0.9, by 1.05 by 4.5, so a 1% error in a routed UNet fails.
+IMAGE_TOLERANCE = 0.05
+#: The same for 8-bit images only (API replies): rounding can turn any difference into 1.
+ROUNDED_IMAGE_TOLERANCE = 1
 
 
 def _drop_fake_modules() -> None:
@@ -128,8 +133,12 @@ def pixels(processed: Any) -> list[np.ndarray]:
     return [np.asarray(img, dtype=np.int16) for img in processed.images]
 
 
-def max_pixel_diff(a: Any, b: Any) -> int:
-    return max(int(np.abs(x - y).max()) for x, y in zip(pixels(a), pixels(b)))
+def max_pixel_diff(a: Any, b: Any) -> float:
+    """Largest per-pixel difference of two results' images, before 8-bit rounding (0..255 scale)."""
+    exact_a, exact_b = getattr(a, "samples_255", None), getattr(b, "samples_255", None)
+    assert exact_a and exact_b, "both results must come from the fake host's process_images"
+    assert len(exact_a) == len(exact_b)
+    return max(float(np.abs(x - y).max()) for x, y in zip(exact_a, exact_b))
 
 
 def load_family(host: SimpleNamespace, family: str, seed: int = 0) -> Any:

@@ -35,15 +35,11 @@ import torch
 from PIL import Image, ImageOps
 
 from modules import script_callbacks, sd_models, sd_samplers_common, shared
+from modules.infotext_utils import quote
 
 OPT_F = 8
 
 
-def quote(text: Any) -> Any:
-    """A1111's ``infotext_utils.quote``."""
-    if "," not in str(text) and "\n" not in str(text) and ":" not in str(text):
-        return text
-    return json.dumps(text, ensure_ascii=False)
 
 
 class SdConditioning(list):
@@ -366,7 +362,7 @@ def denoise(p: Any, x: torch.Tensor, steps: int, strength: float, image_cond: to
         if getattr(p, "mask", None) is not None:  # blend in the original latent (after)
             denoised = denoised * p.nmask + p.init_latent * p.mask
         sd_samplers_common.store_latent(denoised_c)  # live_preview_content "Prompt"
-        x = x + (sigmas[i + 1] - sigmas[i]) * denoised * 0.1
+        x = x + (sigmas[i + 1] - sigmas[i]) * denoised
         state.sampling_step = i + 1
     return x
 
@@ -459,6 +455,7 @@ def process_images(p: Any) -> Processed:
     state.job_count = p.n_iter
     images: list[Image.Image] = []
     infotexts: list[str] = []
+    samples_255: list[np.ndarray] = []  # test-only: each image before 8-bit rounding (0..255 floats)
     with torch.no_grad():
         p.init(all_seeds)
         for n in range(p.n_iter):
@@ -477,10 +474,14 @@ def process_images(p: Any) -> Processed:
             else:
                 decoded = decode_latent_batch(p.sd_model, samples)
             for i, s in enumerate(seeds):
-                arr = ((decoded[i].clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0).round().to(torch.uint8).numpy()
+                exact = ((decoded[i].float().clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0)
+                samples_255.append(exact.double().numpy())
+                arr = exact.round().to(torch.uint8).numpy()
                 images.append(apply_overlay(Image.fromarray(arr), i, getattr(p, "overlay_images", None)))
                 infotexts.append(create_infotext(p, p.prompt, s))
             state.nextjob()
-    return Processed(
+    processed = Processed(
         p, images, seed=seed, info=infotexts[0] if infotexts else "", all_seeds=all_seeds, infotexts=infotexts
     )
+    processed.samples_255 = samples_255
+    return processed
