@@ -1,25 +1,27 @@
-"""Fake ``modules.infotext_utils``: reading an infotext back into the UI, as A1111 v1.10.1 does.
+"""Fake ``modules.infotext_utils``: reading an infotext back into the UI, with A1111 v1.10.1's behaviour.
 
-``parse_generation_parameters`` splits the text as the real one does (the prompt lines, "Negative
-prompt:", the last line of ``key: value`` pairs with JSON-quoted values), without A1111's defaults for
-keys it adds when missing. ``paste`` is the body of ``connect_paste``'s ``paste_func``: the
-``on_infotext_pasted`` callbacks run on the parsed dict, then each ``(component, key)`` of the tab's
-paste fields gets ``key(params)`` if ``key`` is callable, else ``params[key]``, converted to the type
-of the component's initial value; a missing value leaves the component unchanged (``gr.update()``).
+Written from what the real module does, not from its code. ``parse_generation_parameters`` reads the
+text as the WebUI's PNG Info tab does: the SD layer's reader (``ov_accelerate_sd.pnginfo``, checked
+against the real ``parse_generation_parameters`` in tests/sd/test_pnginfo.py), with a ``WxH`` value
+split into "<key>-1" / "<key>-2", and without the defaults A1111 adds for keys that are missing.
+``paste`` does what the paste button does: the ``on_infotext_pasted`` callbacks see the parsed dict,
+then every ``(component, key)`` of the tab's paste fields gets ``key(params)`` (a callable key) or
+``params[key]``, converted to the type of the component's current value (a number for an int, as the
+WebUI's sliders take it; the text "False" is False); no value, or one that does not convert, leaves the
+component as it is (``gr.update()``).
 """
 
 from __future__ import annotations
 
-import json
-import re
+from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
 
 from modules import script_callbacks
+from ov_accelerate_sd.pnginfo import parse_infotext
+from ov_accelerate_sd.pnginfo import quote as _quote
 
-re_param = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
-re_imagesize = re.compile(r"^(\d+)x(\d+)$")
 type_of_gr_update = type(gr.update())
 
 #: tab name -> {"init_img": ..., "fields": [(component, key), ...], "override_settings_component": ...}
@@ -27,45 +29,27 @@ paste_fields: dict[str, dict[str, Any]] = {}
 
 
 def quote(text: Any) -> Any:
-    if "," not in str(text) and "\n" not in str(text) and ":" not in str(text):
-        return text
-    return json.dumps(text, ensure_ascii=False)
+    """A value as the WebUI writes it after "key: " (JSON-quoted only when it holds ',', ':' or a newline)."""
+    quoted = _quote(text)
+    return text if quoted == str(text) else quoted
 
 
-def unquote(text: str) -> str:
-    if len(text) == 0 or text[0] != '"' or text[-1] != '"':
-        return text
-    try:
-        return json.loads(text)
-    except Exception:
-        return text
+def _size(value: str) -> tuple[str, str] | None:
+    width, sep, height = value.partition("x")
+    return (width, height) if sep and width.isdigit() and height.isdigit() and width.isascii() else None
 
 
 def parse_generation_parameters(x: str) -> dict[str, Any]:
+    parsed = parse_infotext(x)
+    prompt, negative = parsed.pop("Prompt"), parsed.pop("Negative prompt")
     res: dict[str, Any] = {}
-    prompt, negative_prompt, done_with_prompt = "", "", False
-    *lines, lastline = x.strip().split("\n")
-    if len(re_param.findall(lastline)) < 3:
-        lines.append(lastline)
-        lastline = ""
-    for line in lines:
-        line = line.strip()
-        if line.startswith("Negative prompt:"):
-            done_with_prompt = True
-            line = line[16:].strip()
-        if done_with_prompt:
-            negative_prompt += ("" if negative_prompt == "" else "\n") + line
+    for key, value in parsed.items():
+        size = _size(value)
+        if size is None:
+            res[key] = value
         else:
-            prompt += ("" if prompt == "" else "\n") + line
-    for k, v in re_param.findall(lastline):
-        if v and v[0] == '"' and v[-1] == '"':
-            v = unquote(v)
-        m = re_imagesize.match(v)
-        if m is not None:
-            res[f"{k}-1"], res[f"{k}-2"] = m.group(1), m.group(2)
-        else:
-            res[k] = v
-    res["Prompt"], res["Negative prompt"] = prompt, negative_prompt
+            res[f"{key}-1"], res[f"{key}-2"] = size
+    res["Prompt"], res["Negative prompt"] = prompt, negative
     return res
 
 
@@ -79,36 +63,40 @@ def add_paste_fields(
     }
 
 
+def _as_bool(value: Any) -> bool:
+    return False if value == "False" else bool(value)
+
+
+#: The component value's type -> how a pasted value is converted to it.
+_CONVERTERS: dict[type, Callable[[Any], Any]] = {bool: _as_bool, int: float}
+
+
+def _update(component: Any, value: Any) -> Any:
+    if value is None:
+        return gr.update()
+    if isinstance(value, type_of_gr_update):
+        return value
+    kind = type(component.value)
+    try:
+        return gr.update(value=_CONVERTERS.get(kind, kind)(value))
+    except (TypeError, ValueError):
+        return gr.update()
+
+
+def _value(key: Any, params: dict[str, Any]) -> Any:
+    if not callable(key):
+        return params.get(key)
+    try:
+        return key(params)
+    except Exception:  # a script's reader that fails leaves its component unchanged, as in the WebUI
+        return None
+
+
 def paste(fields: list[tuple[Any, Any]], prompt: str) -> list[Any]:
-    """What ``paste_func`` returns for the infotext ``prompt``: one gradio update per field."""
+    """What the paste button gives for the infotext ``prompt``: one gradio update per field."""
     params = parse_generation_parameters(prompt)
     script_callbacks.infotext_pasted_callback(prompt, params)
-    res: list[Any] = []
-    for output, key in fields:
-        if callable(key):
-            try:
-                v = key(params)
-            except Exception:
-                v = None
-        else:
-            v = params.get(key, None)
-        if v is None:
-            res.append(gr.update())
-        elif isinstance(v, type_of_gr_update):
-            res.append(v)
-        else:
-            try:
-                valtype = type(output.value)
-                if valtype is bool and v == "False":
-                    val = False
-                elif valtype is int:
-                    val = float(v)
-                else:
-                    val = valtype(v)
-                res.append(gr.update(value=val))
-            except Exception:
-                res.append(gr.update())
-    return res
+    return [_update(component, _value(key, params)) for component, key in fields]
 
 
 def send_fields(source_tabname: str, tabname: str, paste_field_names: list[str]) -> tuple[list[Any], list[Any]]:
