@@ -15,7 +15,8 @@ logger = logging.getLogger("bench")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                epilog="python -m bench webui --help: the real-WebUI benchmark (its own options)")
     p.add_argument("--quick", action="store_true", help="small models, seconds not minutes (CI smoke test)")
     p.add_argument("--components", nargs="+", choices=models.COMPONENT_NAMES, metavar="NAME",
                    help=f"components to measure (default: {' '.join(settings.DEFAULT_COMPONENTS)}; "
@@ -46,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["webui"]:  # the real-WebUI benchmark has its own options
+        from bench import webui
+
+        return webui.main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -64,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = settings.build_settings(options)
     except ValueError as err:
         _parser().error(str(err))
-    header = {"command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else list(argv)),
+    header = {"command": "python -m bench " + shlex.join(argv),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": report.machine(), "note": args.note,
               # folders are machine-specific and change no result: the command line shows them
               "settings": {k: str(v) for k, v in vars(config).items() if k not in ("out", "work_dir")}}

@@ -1,0 +1,214 @@
+"""The real WebUI under measurement: the real-host tier's harness plus what a benchmark reads off it.
+
+:class:`BenchWebUI` wraps ``tests.real_webui.webui.WebUI`` (install the extension as a user does, start,
+stop, HTTP) and adds: a chosen startup checkpoint (the full-size SD 1.5 files of the test bed, linked
+into the isolated data folder), a timed generation that follows A1111's own progress
+(``/sdapi/v1/progress``) to get seconds per sampling step, the resident memory of the WebUI's Python
+process from ``/proc``, and the size of the extension's disk cache. :func:`write_kohya_lora` writes a
+random rank-4 LoRA for the layer names of any SD 1.x checkpoint file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.real_webui.webui import LAUNCH_FLAGS, WebUI, free_port
+
+logger = logging.getLogger(__name__)
+
+GIB = float(1 << 30)
+#: How often A1111's progress is read during a generation (seconds).
+POLL_SECONDS = 0.2
+
+
+@dataclass
+class Timed:
+    """One generation: wall time of the request and, from A1111's progress, seconds per sampling step."""
+
+    seconds: float
+    steps: int
+    s_per_it: float | None
+    """Mean time of the sampling steps after the second (compile-free once a shape is compiled) from A1111's
+    progress; when it showed fewer than two step ends (steps faster than the polling), the request's
+    seconds / steps (an upper bound: it includes the text encoder, the VAE and any compile)."""
+    from_progress: bool
+    images: int
+    infotext: str
+
+
+class BenchWebUI(WebUI):
+    """A test-bed WebUI started on a given checkpoint, with timing, memory and cache readings."""
+
+    def __init__(self, testbed: Path, data_dir: Path, log_dir: Path, checkpoint: str) -> None:
+        super().__init__(testbed, data_dir, log_dir)
+        self.checkpoint = checkpoint
+
+    def link_checkpoints(self, files: list[Path]) -> None:
+        """Make checkpoint files of the test bed visible in the isolated data folder (symlinks, no copy)."""
+        folder = self.data_dir / "models" / "Stable-diffusion"
+        folder.mkdir(parents=True, exist_ok=True)
+        for source in files:
+            if not source.is_file():
+                raise FileNotFoundError(f"{source} is missing: build the test bed's full-size models first")
+            target = folder / source.name
+            if not target.exists():
+                target.symlink_to(source.resolve())
+
+    def start(self, timeout: float = 900) -> None:
+        """Start the WebUI on :attr:`checkpoint` (the harness's own ``start`` always loads the tiny model)."""
+        self.port = free_port()
+        self.starts += 1
+        self.log_path = self.log_dir / f"webui-{self.starts}.log"
+        cmd = [str(self.python), "launch.py", *LAUNCH_FLAGS, "--port", str(self.port), "--data-dir",
+               str(self.data_dir), "--ckpt", str(self.data_dir / "models" / "Stable-diffusion" / self.checkpoint)]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(cmd, cwd=self.webui, env=self.env(), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        t0 = time.time()
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the WebUI exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/sdapi/v1/sd-models", timeout=10):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                if time.time() - t0 > timeout:
+                    raise RuntimeError(f"the WebUI did not answer in {timeout} s:\n{self.log_tail()}") from None
+                time.sleep(2)
+
+    # --- measurements ------------------------------------------------------------------------------
+    def timed_generate(self, payload: dict[str, Any]) -> Timed:
+        """Run a txt2img request while reading A1111's progress.
+
+        A1111 sets ``state.sampling_step = i`` after step ``i`` (0-based) ends, so value ``k >= 1`` first
+        appears when step ``k + 1`` has ended; the steps between the first and the last value seen are
+        timed. Values from before the job began (``job_count == 0``) are ignored.
+        """
+        seen: dict[int, float] = {}
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.wait(POLL_SECONDS):
+                try:
+                    state = self.get("/sdapi/v1/progress?skip_current_image=true", timeout=30)["state"]
+                except (AssertionError, OSError, KeyError, ValueError):
+                    continue
+                step = int(state.get("sampling_step", 0))
+                if state.get("job_count", 0) != 0 and step >= 1 and step not in seen:
+                    seen[step] = time.time()
+
+        thread = threading.Thread(target=poll, daemon=True)
+        thread.start()
+        try:
+            result = self.generate(payload)
+        finally:
+            done.set()
+            thread.join()
+        steps = int(payload["steps"])
+        usable = sorted(k for k in seen if k <= steps - 1)
+        from_progress = len(usable) >= 2 and usable[-1] > usable[0]
+        if from_progress:
+            s_per_it = (seen[usable[-1]] - seen[usable[0]]) / (usable[-1] - usable[0])
+        else:
+            s_per_it = result.seconds / steps
+        return Timed(result.seconds, steps, s_per_it, from_progress, len(result.images),
+                     (result.infotexts or [""])[0])
+
+    def memory(self) -> dict[str, float]:
+        """Resident memory of the WebUI's Python process (the largest one in its session), in GiB:
+        ``rss`` now (VmRSS) and ``peak`` since it started (VmHWM)."""
+        best = {"rss": 0.0, "peak": 0.0}
+        if self.process is None:
+            return best
+        for pid in _session_pids(self.process.pid):
+            fields = _status_fields(pid, ("VmRSS", "VmHWM"))
+            if fields.get("VmHWM", 0) > best["peak"] * GIB:
+                best = {"rss": fields.get("VmRSS", 0) / GIB, "peak": fields["VmHWM"] / GIB}
+        return best
+
+    def cache_dir(self) -> Path:
+        """The extension's default disk cache: ``openvino_cache`` under the WebUI's models folder."""
+        return self.data_dir / "models" / "openvino_cache"
+
+    def cache_size(self) -> tuple[int, int]:
+        """(bytes on disk, files) of the extension's disk cache."""
+        total = files = 0
+        for path in self.cache_dir().rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                total += path.stat().st_blocks * 512
+                files += 1
+        return total, files
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp session ...
+        if int(fields[3]) == sid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _status_fields(pid: int, names: tuple[str, ...]) -> dict[str, int]:
+    """Fields of ``/proc/<pid>/status`` in bytes."""
+    out: dict[str, int] = {}
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in names:
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def write_kohya_lora(checkpoint: Path, target: Path, rank: int = 4, seed: int = 7) -> int:
+    """A random rank-``rank`` LoRA in kohya's format for the attention projections of an SD 1.x checkpoint
+    (UNet ``to_q/to_k/to_v/to_out.0``, CLIP ``q/k/v/out_proj``), named as A1111's Lora extension looks
+    them up; each layer's change is a fraction of its weight's spread. Returns the number of layers."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    unet, te = "model.diffusion_model.", "cond_stage_model.transformer."
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(checkpoint), framework="pt") as f:
+        for key in sorted(f.keys()):
+            name = key.removesuffix(".weight")
+            last = name.split(".")[-1]
+            if key.startswith(unet) and (last in ("to_q", "to_k", "to_v") or name.endswith("to_out.0")):
+                lora = "lora_unet_" + name[len(unet):].replace(".", "_")
+            elif key.startswith(te) and last in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                lora = "lora_te_" + name[len(te):].replace(".", "_")
+            else:
+                continue
+            weight = f.get_tensor(key).float()
+            out_features, in_features = weight.shape
+            tensors[f"{lora}.lora_down.weight"] = torch.randn(rank, in_features, generator=gen) / in_features**0.5
+            tensors[f"{lora}.lora_up.weight"] = torch.randn(out_features, rank, generator=gen) * (
+                0.6 * float(weight.std()))
+            tensors[f"{lora}.alpha"] = torch.tensor(float(rank))
+    if not tensors:
+        raise ValueError(f"{checkpoint} has no SD 1.x attention layers for a LoRA")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".part")
+    save_file(tensors, str(partial))
+    os.replace(partial, target)
+    return len(tensors) // 3

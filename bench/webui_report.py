@@ -1,0 +1,194 @@
+"""The results of ``python -m bench webui``: the header (machine, commit, command) and the markdown tables.
+
+Times are wall-clock seconds of one request each (one run, stock and accelerated in the same WebUI
+process, so ratios are within one run); "x stock" is accelerated / stock (below 1 is faster), "speed-up"
+is stock s/it / accelerated s/it. Seconds per step come from A1111's progress and leave out the first two
+steps, where a new shape compiles.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import report
+
+logger = logging.getLogger(__name__)
+
+#: Rows of the seconds-per-step table: (row key, label).
+S_PER_IT_ROWS = (("again", "first size, batch 1"), ("batch", "first size, batch {batch}"),
+                 ("size2", "second size, batch 1"), ("size3", "third size, batch 1"))
+
+
+def cpu_summary() -> dict[str, Any]:
+    """Model name, the instruction sets that decide OpenVINO's precision, and OpenVINO's name for the CPU."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError as err:
+        logger.info("no /proc/cpuinfo: %s", err)
+    summary: dict[str, Any] = {
+        "AVX2": "avx2" in flags, "AVX-512": "avx512f" in flags,
+        "AMX": any(f.startswith("amx") for f in flags),
+        "BF16": sorted(f for f in flags if "bf16" in f) or False,
+    }
+    try:
+        import openvino
+
+        summary["openvino_device"] = openvino.Core().get_property("CPU", "FULL_DEVICE_NAME")
+    except (ImportError, RuntimeError) as err:
+        summary["openvino_device"] = f"unknown ({err})"
+    return summary
+
+
+def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
+    """What the results file says about the run before any number."""
+    with open("/proc/meminfo", encoding="ascii") as f:
+        meminfo = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    return {
+        "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": note,
+        "machine": report.machine(), "cpu": cpu_summary(),
+        "available_gib_at_start": round(meminfo.get("MemAvailable", 0) / (1 << 20), 1),
+        "load_average_at_start": os.getloadavg()[0],
+        "extension_source": "working tree" if os.environ.get("OV_REAL_WEBUI_SOURCE") == "worktree"
+        else "git clone of the checkout's HEAD",
+        "settings": {"tiny": config.tiny, "precisions": list(config.precisions), "steps": config.steps,
+                     "sizes": ["x".join(map(str, s)) for s in config.sizes], "batch": config.batch,
+                     "sampler": "Euler", "cfg_scale": 7, "testbed": str(config.testbed)},
+    }
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def _find(rows: list[dict[str, Any]], mode: str, key: str) -> dict[str, Any]:
+    return next((r for r in rows if r["mode"] == mode and r["key"] == key), {})
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _machine_lines(results: dict[str, Any]) -> list[str]:
+    machine, cpu, s = results["machine"], results["cpu"], results["settings"]
+    isa = ", ".join(f"{k} {'yes' if v else 'no'}" if isinstance(v, bool) else f"{k} {' '.join(v)}"
+                    for k, v in cpu.items() if k != "openvino_device")
+    versions = ", ".join(f"{k} {v}" for k, v in machine.get("versions", {}).items())
+    return [
+        f"- Command: `{results['command']}` (started {results['started']})",
+        f"- Commit: {machine.get('git_commit', '?')}; extension installed as a {results['extension_source']}",
+        f"- CPU: {machine.get('Model name', '?')}, {machine.get('cpus')} logical CPUs; {isa}; "
+        f"OpenVINO CPU device: {cpu.get('openvino_device')}",
+        f"- Memory: {machine.get('memory_gib')} GiB, {results['available_gib_at_start']} GiB available at the "
+        f"start; 1-minute load average at the start {results['load_average_at_start']:.1f}",
+        f"- Bench process: {versions}; the WebUI runs in the test bed's own venv ({s['testbed']})",
+        f"- Requests: txt2img, Euler, {s['steps']} steps, CFG {s['cfg_scale']}, sizes {', '.join(s['sizes'])}, "
+        f"a new prompt each time; {'tiny test models' if s['tiny'] else 'full-size SD 1.5 (random weights)'}",
+    ] + ([f"- Note: {results['note']}"] if results.get("note") else [])
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """All tables of one run."""
+    rows, phases, s = results.get("rows", []), results.get("phases", []), results["settings"]
+    modes = s["precisions"]
+    title = "tiny test models" if s["tiny"] else "full-size SD 1.5"
+    lines = [f"# Real WebUI benchmark: stock A1111 v1.10.1 vs Accelerate with OpenVINO ({title})", "",
+             *_machine_lines(results), "", "## Time per request (seconds)", "",
+             "Each request once, in this order, stock first, then accelerated at each precision, in one WebUI "
+             "process; the restart row is the first generation of a new process with the disk cache of the first "
+             "(its stock number is stock's first generation after its start). Compile and cache hits are the "
+             "extension's status route for that request; peak RSS is the WebUI process's VmHWM after it.", ""]
+    head = "| request | size | batch | stock s |"
+    rule = "|---|---|---|---|"
+    for m in modes:
+        head += f" {m} s | {m} x stock | {m} compile s | {m} compiles | {m} cache hits | {m} peak RSS GiB |"
+        rule += "---|---|---|---|---|---|"
+    lines += [head, rule]
+    for key in dict.fromkeys(r["key"] for r in rows):  # the scenario's order
+        stock = _find(rows, "stock", "first" if key == "restart" else key)
+        first = next(r for r in rows if r["key"] == key)
+        line = f"| {first['label']} | {first['size']} | {first['batch']} | {_num(stock.get('seconds'))} |"
+        for m in modes:
+            r = _find(rows, m, key)
+            failed = " (failed)" if "error" in r else ""
+            ratio = _ratio(r.get("seconds"), stock.get("seconds"))
+            line += (f" {_num(r.get('seconds'))}{failed} | {_num(ratio, '{:.2f}x')}"
+                     f" | {_num(r.get('compile_seconds'))} | {_num(r.get('compiles'), '{}')} "
+                     f"| {_num(r.get('cache_hits'), '{}')} | {_num(r.get('peak'), '{:.2f}')} |")
+        lines.append(line)
+    loads = [r for r in rows if r.get("load_seconds")]
+    if loads:
+        lines += ["", "Checkpoint loads (A1111's own, before the request): " + "; ".join(
+            f"{r['mode']} {r['label']} {r['load_seconds']:.1f} s" for r in loads) + "."]
+    lines += ["", "## Seconds per sampling step", "", "| request | stock s/it | "
+              + " | ".join(f"{m} s/it | {m} speed-up" for m in modes) + " |",
+              "|---|---|" + "---|---|" * len(modes)]
+    def step(record: dict[str, Any]) -> str:
+        mark = "" if record.get("s_per_it_from_progress", True) else " (r)"
+        return _num(record.get("s_per_it"), "{:.2f}") + mark
+
+    for key, label in S_PER_IT_ROWS:
+        stock = _find(rows, "stock", key)
+        cells = []
+        for m in modes:
+            record = _find(rows, m, key)
+            speed = _ratio(stock.get("s_per_it"), record.get("s_per_it"))
+            cells.append(f"{step(record)} | {_num(speed, '{:.2f}x')}")
+        lines.append(f"| {label.format(batch=s['batch'])} | {step(stock)} | " + " | ".join(cells) + " |")
+    lines += ["", "From A1111's progress, steps 3 on; (r): steps too fast to follow, the request's seconds / steps "
+              "(text encoder, VAE and any compile included)."]
+    lines += ["", "## Memory and disk cache", "",
+              "| after | process | peak RSS GiB (VmHWM) | RSS GiB | disk cache |", "|---|---|---|---|---|"]
+    for p in phases:
+        cache = f"{p['cache_bytes'] / (1 << 30):.2f} GiB in {p['cache_files']} files" if p["cache_files"] else "empty"
+        lines.append(f"| {p['mode']} | {p['process']} | {p['peak']:.2f} | {p['rss']:.2f} | {cache} |")
+    lines += ["", *goals(results)]
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        lines += ["", "## Failures", ""] + [f"- {r['mode']} / {r['label']}: `{r['error'][:300]}`" for r in errors]
+    return "\n".join(lines) + "\n"
+
+
+def goals(results: dict[str, Any]) -> list[str]:
+    """The issue's targets, as ratios of this run's numbers."""
+    rows, phases = results.get("rows", []), results.get("phases", [])
+    peak = {p["mode"]: p["peak"] for p in phases}
+    lines = ["## Against the targets", "", "| measure | " + " | ".join(results["settings"]["precisions"])
+             + " | target |", "|---|" + "---|" * len(results["settings"]["precisions"]) + "---|"]
+
+    def cold(m: str, key: str) -> float | None:
+        return _ratio(_find(rows, m, key).get("seconds"), _find(rows, m, "first").get("seconds"))
+
+    measures = [
+        ("peak RSS accelerated / stock (process 1)", lambda m: _ratio(peak.get(m), peak.get("stock")), "<= 1.6x"),
+        ("peak RSS after a restart / stock", lambda m: _ratio(peak.get(f"{m} after restart"), peak.get("stock")),
+         "<= 1.6x"),
+        ("second size / cold first generation", lambda m: cold(m, "size2"), "<= 0.25x"),
+        ("third size / cold first generation", lambda m: cold(m, "size3"), "<= 0.25x"),
+        ("warm restart / cold first generation", lambda m: cold(m, "restart"), "<= 0.3x"),
+        ("switch back / cold first generation", lambda m: cold(m, "switch_back"), "<= 0.2x"),
+        ("LoRA weight change / second size", lambda m: _ratio(_find(rows, m, "lora_change").get("seconds"),
+                                                              _find(rows, m, "size2").get("seconds")), "<= 1x"),
+    ]
+    for label, fn, target in measures:
+        lines.append(f"| {label} | " + " | ".join(_num(fn(m), "{:.2f}x") for m in results["settings"]["precisions"])
+                     + f" | {target} |")
+    return lines
+
+
+def write(results: dict[str, Any], out: Path, stem: str) -> tuple[Path, Path]:
+    """``<out>/<stem>.json`` (every number and status text) and ``<out>/<stem>.md`` (the tables)."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+    md_path.write_text(markdown(results), encoding="utf-8")
+    return json_path, md_path

@@ -1,0 +1,62 @@
+"""``python -m bench webui --tiny``: the real-WebUI benchmark on the real-host tier's tiny models.
+
+A smoke test of the harness: every row of the scenario is measured stock and accelerated (a number in
+every cell that has one), the accelerated runs really ran in OpenVINO, and a second accelerated
+generation at a size seen before compiles nothing. It asserts no time. Needs the WebUI test bed
+(``A1111_ROOT``); skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from bench.__main__ import main
+from bench.webui import RESTART, ROWS
+from tests.real_webui.webui import testbed_ready, testbed_root
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not testbed_ready(testbed_root()), reason=f"no WebUI test bed in {testbed_root()}"),
+]
+
+NUMBER = r"\d+(?:\.\d+)?"
+
+
+def test_tiny_run_measures_every_row(tmp_path):
+    out = tmp_path / "results"
+    assert main(["webui", "--tiny", "--out", str(out), "--name", "smoke", "--work-dir", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "smoke.json").read_text(encoding="utf-8"))
+    table = (out / "smoke.md").read_text(encoding="utf-8")
+
+    rows = {(r["mode"], r["key"]): r for r in results["rows"]}
+    for row in ROWS:
+        for mode in ("stock", "auto"):
+            record = rows[(mode, row.key)]
+            assert "error" not in record, record
+            assert record["seconds"] > 0 and record["images"] == record["batch"], record
+            assert record["peak"] > 0, record
+    for row in (*ROWS, RESTART):
+        record = rows[("auto", row.key)]
+        assert record["accelerated"] and record["ov_calls"] > 0 and record["eager_calls"] == 0, record["status"]
+    assert rows[("auto", "again")]["compiles"] == 0, rows[("auto", "again")]["status"]
+    assert rows[("auto", "back")]["compiles"] == 0, rows[("auto", "back")]["status"]
+    assert rows[("auto", "restart")]["cache_hits"] > 0, rows[("auto", "restart")]["status"]
+    assert rows[("auto", "first")]["compiles"] > 0 and rows[("auto", "first")]["compile_seconds"] > 0
+
+    # every request row of the table: stock seconds, accelerated seconds, ratio, compile seconds, peak RSS
+    for row in (*ROWS, RESTART):
+        label = rows[("auto", row.key)]["label"]
+        line = next(x for x in table.splitlines() if x.startswith(f"| {label} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert all(re.fullmatch(NUMBER + "x?", c) for c in cells[3:]), line
+    for label in ("| first size, batch 1 |", "| first size, batch 4 |"):
+        line = next(x for x in table.splitlines() if x.startswith(label))
+        assert len(re.findall(NUMBER, line)) >= 4, line  # batch size, stock s/it, accelerated s/it, speed-up
+    phases = {p["mode"]: p for p in results["phases"]}
+    assert phases["auto"]["cache_files"] > 0 and phases["auto"]["cache_bytes"] > 0
+    assert phases["auto"]["peak"] >= phases["stock"]["peak"] > 0
+    assert results["cpu"]["openvino_device"] and results["machine"].get("Model name")
+    assert "python -m bench webui --tiny" in table
