@@ -237,6 +237,10 @@ class Accelerator:
         f32_build = None if f32_options is None else (lambda: self._f32_build(entry, f32_options))
         return self._lora.wrap(make_forward(entry, self._lock, self._notify, f32_build), entry)
 
+    def lora_changes(self) -> list[tuple[str, str]]:
+        """(route label, networks) for routes whose LoRA changed since the last call (then cleared)."""
+        return self._lora.take_changes()
+
     def _drop_all(self) -> None:
         compiled_any = bool(self._compiled)
         for backend in self._backends.values():

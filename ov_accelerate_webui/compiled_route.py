@@ -77,6 +77,8 @@ class CompiledRoute:
     """The f32 build this route runs since its output was not finite at automatic precision."""
     f32_switch: F32Switch | None = None
     """Why the route runs at f32 (set once the f32 build has run the call that was not finite)."""
+    lora_applied: tuple[tuple[str, float, float], ...] = ()
+    """The Lora extension's networks (name, TE and UNet strength) last written into this route's module."""
 
 
 def make_forward(

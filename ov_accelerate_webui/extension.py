@@ -16,6 +16,7 @@ from . import host
 from .accelerator import Accelerator
 from .backend_bridge import BackendApi, BackendUnavailable, load_backend
 from .infotext import generation_params
+from .lora import changes_line
 from .model_parts import UnsupportedModel, checkpoint_key
 from .precompile import ReadySizes, Size, parse_sizes
 from .session import RoutingSession
@@ -95,6 +96,7 @@ class Extension:
         session = RoutingSession(accelerator, prepared, model, on_unsupported=unsupported)
         with self._lock:
             self._session = session
+        accelerator.lora_changes()  # from earlier runs: not this run's
         try:
             with session:
                 processed = host.process_images(p)
@@ -111,12 +113,15 @@ class Extension:
             eager=eager,
             f32=session.f32(),
         )
+        lora_changes = accelerator.lora_changes()
+        if lora_changes:
+            status += "\n" + changes_line(lora_changes, accelerator.reports_since(prepared))
         logger.info("%s", status)
         if eager:
             logger.warning("Accelerate with OpenVINO: %s", eager_line(eager, calls))
         self.last_status = status
         self._record_run(status, settings, calls, eager, accelerator.stats_since(prepared),
-                         accelerator.reports_since(prepared), session.events)
+                         accelerator.reports_since(prepared), session.events, lora_changes)
         if not host.state().interrupted:
             for checkpoint in session.checkpoints():
                 self._record_sizes(p, checkpoint, settings)
@@ -146,6 +151,7 @@ class Extension:
         stats: dict[str, float],
         reports: list[Any],
         switches: list[str],
+        lora_changes: list[tuple[str, str]],
     ) -> None:
         fallbacks: dict[str, str] = {}
         for report in reports:
@@ -159,6 +165,7 @@ class Extension:
             "compiles": len(reports),
             "fallback_ops": fallbacks,
             "switches": list(switches),
+            "lora_changes": {label: networks for label, networks in lora_changes},
             **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
                                                    "run_seconds")},
         }

@@ -83,6 +83,44 @@ def _plain_forwards(networks: ModuleType) -> list[tuple[type, Any]]:
     return saved
 
 
+def network_set(networks: ModuleType) -> tuple[tuple[str, float, float], ...]:
+    """The loaded networks as (name, text-encoder strength, UNet strength)."""
+    return tuple(
+        (str(getattr(n, "name", "?")), float(getattr(n, "te_multiplier", 1.0)),
+         float(getattr(n, "unet_multiplier", 1.0)))
+        for n in networks.loaded_networks
+    )
+
+
+def describe_networks(wanted: tuple[tuple[str, float, float], ...]) -> str:
+    """E.g. "ovtest-lora:0.5", "a:1, b:0.8 (TE 0.5)" or "none"."""
+    if not wanted:
+        return "none"
+    items = []
+    for name, te, unet in wanted:
+        items.append(f"{name}:{unet:g}" + (f" (TE {te:g})" if te != unet else ""))
+    return ", ".join(items)
+
+
+def changes_line(changes: list[tuple[str, str]], reports: list[Any]) -> str:
+    """The status line for LoRA changes in a run: which parts got new weights, and what the backend did."""
+    now: dict[str, str] = {}
+    for label, networks in changes:
+        now[label] = networks
+    rebuilt = [r for r in reports if getattr(r, "partitions", None)]
+    convert = sum(getattr(r, "convert_seconds", 0.0) for r in rebuilt)
+    compile_ = sum(getattr(r, "compile_seconds", 0.0) for r in rebuilt)
+    hits = sum(1 for r in rebuilt if getattr(r, "cache_hit", False))
+    cost = (
+        f"the backend built {len(rebuilt)} model(s) for new weights or sizes: convert {convert:.1f} s, "
+        f"compile {compile_:.1f} s, {hits} from the disk cache; no part ran in PyTorch for it"
+        if rebuilt
+        else "compiled models for these weights were reused (no conversion, no compile)"
+    )
+    parts = "; ".join(f"{label} -> {networks}" for label, networks in now.items())
+    return f"LoRA changed: {parts}. Cost: {cost}."
+
+
 class LoraHook:
     """Makes routed calls see the Lora extension's weights but not its code (see the module docstring).
 
@@ -95,6 +133,14 @@ class LoraHook:
         self._patch_lock = threading.Lock()
         self._depth = 0
         self._saved: list[tuple[type, Any]] = []
+        self._changes: list[tuple[str, str]] = []
+
+    def take_changes(self) -> list[tuple[str, str]]:
+        """(route label, the networks now applied) for each route whose LoRA set or strengths changed since
+        the last call of this method; clears the list."""
+        with self._lock:
+            changes, self._changes = self._changes, []
+        return changes
 
     @contextlib.contextmanager
     def plain_forwards(self, networks: ModuleType) -> Iterator[None]:
@@ -129,6 +175,11 @@ class LoraHook:
                 return self._plain_pytorch(entry, args, kwargs)
             if layers is None:
                 layers = lora_layers(module)
+            wanted = network_set(networks)
+            if wanted != entry.lora_applied:
+                with self._lock:
+                    entry.lora_applied = wanted
+                    self._changes.append((entry.label, describe_networks(wanted)))
             for layer in layers:
                 # functional mode without networks: stock A1111 changes weights in MultiheadAttention only
                 if not functional or isinstance(layer, nn.MultiheadAttention):

@@ -31,9 +31,14 @@ def _delta(layer: nn.Linear) -> torch.Tensor:
     return torch.randn(layer.weight.shape, generator=gen) * 3 * float(layer.network_weights_backup.abs().mean())
 
 
+def loras(*strengths: float) -> list[SimpleNamespace]:
+    """``loaded_networks`` as the Lora extension holds it: one network object per ``<lora:...>`` tag."""
+    return [SimpleNamespace(name="lora", te_multiplier=s, unet_multiplier=s, dyn_dim=None) for s in strengths]
+
+
 def fake_networks(opts: Any) -> ModuleType:
     """A stand-in for ``extensions-builtin/Lora/networks.py`` (one LoRA on every named Linear;
-    ``loaded_networks`` holds its strengths)."""
+    ``loaded_networks`` holds network objects with their strengths)."""
     networks = ModuleType("networks")
     networks.loaded_networks = []
     networks.originals = SimpleNamespace(**{f"{n}_forward": getattr(nn, n).forward for n in LORA_CLASSES})
@@ -45,13 +50,13 @@ def fake_networks(opts: Any) -> ModuleType:
     def network_apply_weights(layer: nn.Module) -> None:
         if getattr(layer, "network_layer_name", None) is None or not isinstance(layer, nn.Linear):
             return
-        wanted = tuple(networks.loaded_networks)
+        wanted = tuple((n.name, n.te_multiplier, n.unet_multiplier) for n in networks.loaded_networks)
         if getattr(layer, "network_current_names", ()) == wanted:
             return
         backup(layer)
         with torch.no_grad():
             layer.weight.copy_(layer.network_weights_backup)
-            for strength in wanted:
+            for _name, _te, strength in wanted:
                 layer.weight.add_(strength * _delta(layer))
         layer.network_current_names = wanted
 
@@ -68,7 +73,8 @@ def fake_networks(opts: Any) -> ModuleType:
                     self.weight.copy_(self.network_weights_backup)
                 self.network_current_names = ()
                 y = original(self, x)
-                return y + sum(s * nn.functional.linear(x, _delta(self)) for s in networks.loaded_networks)
+                return y + sum(n.unet_multiplier * nn.functional.linear(x, _delta(self))
+                               for n in networks.loaded_networks)
             network_apply_weights(self)
             return original(self, x, *args, **kwargs)
 
@@ -105,25 +111,31 @@ def test_lora_and_each_change_of_it_match_stock(fake_host: Any, networks: Module
                                                 ) -> None:
     without = fake_host.processing.process_images(make_p(fake_host))
     for strengths in ([1.0], [0.5], [], [1.0]):
-        networks.loaded_networks[:] = strengths
+        networks.loaded_networks[:] = loras(*strengths)
         stock = fake_host.processing.process_images(make_p(fake_host))
         if strengths:  # the LoRA moves the picture well past the tolerance
             assert max_pixel_diff(stock, without) > 4 * IMAGE_TOLERANCE
-        networks.loaded_networks[:] = [0.25]  # the weights hold another LoRA when the accelerated run starts
+        networks.loaded_networks[:] = loras(0.25)  # the weights hold another LoRA when the accelerated run starts
         fake_host.processing.process_images(make_p(fake_host, steps=1))
-        networks.loaded_networks[:] = strengths
+        networks.loaded_networks[:] = loras(*strengths)
         fast = extension.run(make_p(fake_host), f32)
         assert max_pixel_diff(stock, fast) <= IMAGE_TOLERANCE, strengths
         report = extension.last_run_report()
         assert report["eager_calls"] == 0 and not report["eager"] and report["ov_calls"] > 0, report["status"]
         assert _patched_now(networks)
+        # the status says the LoRA changed for the routed parts, and what that cost
+        expected = "lora:" + format(strengths[0], "g") if strengths else "none"
+        assert report["lora_changes"] and set(report["lora_changes"].values()) == {expected}, report
+        assert "LoRA changed:" in report["status"] and "Cost:" in report["status"]
+    fast = extension.run(make_p(fake_host, prompt="the same LoRA again"), f32)
+    assert not extension.last_run_report()["lora_changes"]  # unchanged: nothing reported
 
 
 def test_functional_mode_runs_routed_parts_in_pytorch_and_says_why(
     fake_host: Any, networks: ModuleType, extension: Any, f32: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(fake_host.shared.opts.data, "lora_functional", True)
-    networks.loaded_networks[:] = [1.0]
+    networks.loaded_networks[:] = loras(1.0)
     stock = fake_host.processing.process_images(make_p(fake_host))
     fast = extension.run(make_p(fake_host), f32)
     assert max_pixel_diff(stock, fast) == 0
@@ -159,7 +171,7 @@ def test_class_forwards_are_original_during_the_call_and_put_back_after_it_even_
 
     inner = hook.wrap(lambda x: nn.functional.linear(x, layer.weight, layer.bias), _entry(layer))
     outer = hook.wrap(compiled, _entry(layer))
-    networks.loaded_networks[:] = [1.0]
+    networks.loaded_networks[:] = loras(1.0)
     x = torch.ones(1, 4)
     out = outer(x)
     expected = nn.functional.linear(x, layer.network_weights_backup + _delta(layer), layer.bias)
