@@ -69,6 +69,10 @@ def test_lora_matches_stock_and_follows_each_change(webui: WebUI) -> None:
         value = min_psnr(stock[i], f)
         webui.record(f"LoRA weight {w}: accelerated vs stock", value)
         assert value >= MIN_PSNR, f"LoRA weight {w}: {value:.1f} dB\n{f.status['status']}"
+        # the status names the change (the previous run had another LoRA weight, or none) and its cost
+        expected = f"ovtest-lora:{w:g}" if w is not None else "none"
+        assert set(f.status["lora_changes"].values()) == {expected}, f.status
+        assert "LoRA changed:" in f.status["status"] and "Cost:" in f.status["status"], f.status["status"]
         # never a stale picture: stock's picture at this weight is the nearest of all stock pictures
         others = {weights[j]: min_psnr(s, f) for j, s in enumerate(stock) if j != i}
         assert all(v < value for v in others.values()), (w, value, others)
