@@ -32,12 +32,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from . import host
 from .compiled_route import CompiledRoute
+
+if TYPE_CHECKING:
+    from ov_backend.report import CompileReport
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,11 @@ def _plain_forwards(networks: ModuleType) -> list[tuple[type, Any]]:
     return saved
 
 
+def _weight_versions(layers: list[nn.Module]) -> tuple[int, ...]:
+    """In-place write counters of the layers' parameters (they move when the Lora extension writes weights)."""
+    return tuple(p._version for layer in layers for p in layer.parameters(recurse=False))
+
+
 def network_set(networks: ModuleType) -> tuple[tuple[str, float, float], ...]:
     """The loaded networks as (name, text-encoder strength, UNet strength)."""
     return tuple(
@@ -102,15 +110,15 @@ def describe_networks(wanted: tuple[tuple[str, float, float], ...]) -> str:
     return ", ".join(items)
 
 
-def changes_line(changes: list[tuple[str, str]], reports: list[Any]) -> str:
+def changes_line(changes: list[tuple[str, str]], reports: list[CompileReport]) -> str:
     """The status line for LoRA changes in a run: which parts got new weights, and what the backend did."""
     now: dict[str, str] = {}
     for label, networks in changes:
         now[label] = networks
-    rebuilt = [r for r in reports if getattr(r, "partitions", None)]
-    convert = sum(getattr(r, "convert_seconds", 0.0) for r in rebuilt)
-    compile_ = sum(getattr(r, "compile_seconds", 0.0) for r in rebuilt)
-    hits = sum(1 for r in rebuilt if getattr(r, "cache_hit", False))
+    rebuilt = [r for r in reports if r.partitions]
+    convert = sum(r.convert_seconds for r in rebuilt)
+    compile_ = sum(r.compile_seconds for r in rebuilt)
+    hits = sum(1 for r in rebuilt if r.cache_hit)
     cost = (
         f"the backend built {len(rebuilt)} model(s) for new weights or sizes: convert {convert:.1f} s, "
         f"compile {compile_:.1f} s, {hits} from the disk cache; no part ran in PyTorch for it"
@@ -176,14 +184,17 @@ class LoraHook:
             if layers is None:
                 layers = lora_layers(module)
             wanted = network_set(networks)
-            if wanted != entry.lora_applied:
-                with self._lock:
-                    entry.lora_applied = wanted
-                    self._changes.append((entry.label, describe_networks(wanted)))
+            changed = wanted != entry.lora_applied
+            before = _weight_versions(layers) if changed else ()
             for layer in layers:
                 # functional mode without networks: stock A1111 changes weights in MultiheadAttention only
                 if not functional or isinstance(layer, nn.MultiheadAttention):
                     networks.network_apply_weights(layer)
+            if changed:
+                with self._lock:
+                    entry.lora_applied = wanted
+                    if _weight_versions(layers) != before:  # the networks touch this part's layers
+                        self._changes.append((entry.label, describe_networks(wanted)))
             with self.plain_forwards(networks):
                 return forward(*args, **kwargs)
 
