@@ -24,9 +24,10 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 from safetensors.torch import save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
+from ov_backend.files import atomic_path
+
 from . import convert
 from .checkpoint import METADATA_CONFIG_KEY, Checkpoint, CheckpointError, load_state_dict, read_checkpoint
-from .files import atomic_path
 from .tokenizer import clip_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -6,13 +6,13 @@ Never the working directory: ``$XDG_CACHE_HOME/ov_accelerate_sd`` or ``~/.cache/
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
+
+from ov_backend.files import user_cache_root
 
 logger = logging.getLogger(__name__)
 
 
 def user_cache_dir() -> Path:
     """The per-user cache folder of this package (not created here)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ov_accelerate_sd"
+    return user_cache_root() / "ov_accelerate_sd"

@@ -23,7 +23,7 @@ from typing import Any
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from .files import atomic_path
+from ov_backend.files import atomic_path
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,12 @@ import importlib.util
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 from transformers import CLIPTokenizer
 from transformers.models.clip.tokenization_clip import bytes_to_unicode
+
+from ov_backend.files import atomic_path
 
 from .paths import user_cache_dir
 
@@ -66,10 +67,8 @@ def build_vocab(merges: list[str]) -> dict[str, int]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def tokenizer_files(folder: str | os.PathLike | None = None) -> Path:

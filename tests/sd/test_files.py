@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from ov_accelerate_sd.demo import demo_checkpoint
-from ov_accelerate_sd.files import atomic_path
 from ov_accelerate_sd.pnginfo import read_png_infotext, save_png
+from ov_backend.files import atomic_path
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX file modes")
 
