@@ -5,17 +5,24 @@ decoder forwards, each text encoder's forward: every replacement keeps the call 
 what it replaces, so diffusers' sampling loop runs unchanged), the ``OVBackend`` instance that
 holds the compiled models, and ``restore()``. Parts not listed in ``SDSettings.accelerate``
 stay in PyTorch.
+
+Every compiled call is watched (``ov_backend.graph_runs``, the check the WebUI adapter uses too):
+a call dynamo ran without any compiled graph (it gave up on the function, e.g. at its recompile
+limit) is counted with the reason, and :meth:`Accelerator.eager_report` says so.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .loader import Components
 from .settings import SDSettings
+
+if TYPE_CHECKING:
+    from ov_backend.graph_runs import EagerCalls
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +41,7 @@ class Accelerator:
         self.settings = settings
         self.backend = backend
         self._originals: list[tuple[torch.nn.Module, Any]] = []
+        self._calls: EagerCalls | None = None
 
     def targets(self) -> list[tuple[str, torch.nn.Module]]:
         """(part, module) pairs whose ``forward`` gets compiled under the current settings."""
@@ -50,13 +58,19 @@ class Accelerator:
         """Compile the chosen parts (lazily: OpenVINO converts on the first call of each shape)."""
         if self._originals:
             return self
+        from ov_backend.graph_runs import EagerCalls, GraphRunCounter
+
         if self.backend is None:
             from ov_backend import OVBackend, build_settings
 
             self.backend = OVBackend(build_settings(self.settings.to_backend_options()))
+        counter = GraphRunCounter(self.backend)
+        self._calls = EagerCalls()
         for part, module in self.targets():
             original = module.__dict__.get("forward")
-            module.forward = torch.compile(module.forward, backend=self.backend)
+            code = getattr(type(module).forward, "__code__", None)
+            compiled = torch.compile(module.forward, backend=counter)
+            module.forward = self._calls.watch(part, compiled, counter, code)
             self._originals.append((module, original))
             logger.info("%s (%s) routed through ov_backend on %s", part, type(module).__name__,
                         self.settings.device)
@@ -73,6 +87,10 @@ class Accelerator:
         if self.backend is not None:
             self.backend.reset()
         torch._dynamo.reset()
+
+    def eager_report(self) -> str | None:
+        """Which parts' calls dynamo ran in plain PyTorch and why, or None if every call was compiled."""
+        return self._calls.report() if self._calls is not None else None
 
     def stats(self) -> dict[str, float]:
         """The backend's counters (compile_seconds, run_seconds, ...), empty when not applied."""

@@ -23,10 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS
+
+from .parts import PARTS
+
 logger = logging.getLogger(__name__)
 
 EXIT_INTERRUPTED = 130
-PARTS = ("text_encoder", "unet", "vae")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.I)
 
 
@@ -61,21 +64,22 @@ def _positive(text: str) -> int:
     return value
 
 
-def _strength(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _strength(text: str) -> float:
+    value = _number(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
     return value
 
 
 def _cfg_scale(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text)
     if not (math.isfinite(value) and value >= 0.0):
         raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0 (e.g. 7)")
     return value
@@ -130,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop the text encoder this many layers before its last, as the WebUI's "
                           "'Clip skip' (default 1: the last layer)")
     gen.add_argument("--device", default="CPU", help="OpenVINO device (see the devices command)")
-    gen.add_argument("--precision", choices=("auto", "f32"), default="auto",
+    gen.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
                      help="auto: the plugin chooses (bf16 on CPUs that have it); f32: force f32")
     gen.add_argument("--cache-dir", type=Path, help="compiled-model cache (default: per-user cache folder)")
     gen.add_argument("--no-cache", action="store_true", help="do not read or write the compiled-model cache")
@@ -188,16 +192,9 @@ def _devices(parser: argparse.ArgumentParser, args: Any) -> int:
     return 0
 
 
-def _human(size: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TB"
-
-
 def _cache(parser: argparse.ArgumentParser, args: Any) -> int:
     from ov_backend.cache import ModelCache
+    from ov_backend.files import format_bytes
     from ov_backend.settings import default_cache_dir
 
     if args.action == "prune" and args.max_size is None:
@@ -212,8 +209,8 @@ def _cache(parser: argparse.ArgumentParser, args: Any) -> int:
         entries = cache.entries()
         for entry in entries:
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
-            _out(f"{entry.key}  {_human(entry.size_bytes):>10}  {used}  {entry.description}")
-        _out(f"{len(entries)} entries, {_human(sum(e.size_bytes for e in entries))} in {folder}")
+            _out(f"{entry.key}  {format_bytes(entry.size_bytes):>10}  {used}  {entry.description}")
+        _out(f"{len(entries)} entries, {format_bytes(sum(e.size_bytes for e in entries))} in {folder}")
     elif args.action == "clear":
         unknown = sorted(set(args.keys) - {entry.key for entry in cache.entries()})
         if unknown:
@@ -223,7 +220,8 @@ def _cache(parser: argparse.ArgumentParser, args: Any) -> int:
         _out(f"removed {len(removed)} entries from {folder}")
     else:
         removed = cache.prune(args.max_size)
-        _out(f"removed {len(removed)} entries; {_human(sum(e.size_bytes for e in cache.entries()))} left in {folder}")
+        left = format_bytes(sum(e.size_bytes for e in cache.entries()))
+        _out(f"removed {len(removed)} entries; {left} left in {folder}")
     return 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import EXIT_INTERRUPTED, StopRequest, _err, _out
+from .parts import PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Pa
         parser.error(f"argument --sampler: {exc}")
     options: dict[str, Any] = {
         "device": args.device, "precision": args.precision, "model_caching": not args.no_cache,
-        "accelerate": [p for p in ("text_encoder", "unet", "vae") if p not in args.pytorch],
+        "accelerate": [p for p in PARTS if p not in args.pytorch],
     }
     if args.cache_dir is not None:
         options["cache_dir"] = str(args.cache_dir)
@@ -294,6 +295,9 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
          f"{times.describe(float(stats.get('compile_seconds', 0.0)) if settings.accelerate else None)} "
          f"(OpenVINO calls {int(stats.get('ov_calls', 0))}, PyTorch calls {int(stats.get('eager_calls', 0))}, "
          f"cache hits {int(stats.get('cache_hits', 0))})")
+    eager = accelerator.eager_report()
+    if eager:
+        _err(f"warning: {eager}")
     if failed:
         _err(f"error: {len(failed)} image(s) could not be saved in {args.out}")
     if interrupted:

@@ -13,10 +13,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS
+
+from .parts import PARTS, in_order
+
 logger = logging.getLogger(__name__)
 
-PRECISIONS = ("auto", "f32")
-PARTS = ("text_encoder", "unet", "vae")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,25 +26,25 @@ class SDSettings:
     """How the Stable Diffusion layer routes a pipeline through ov_backend."""
 
     device: str = "CPU"
-    """OpenVINO device name ("CPU", "GPU", "AUTO", ...); checked by ov_backend."""
-    precision: str = "auto"
-    """"auto" lets the plugin choose (bf16 on CPUs that have it); "f32" forces f32 inference."""
+    """OpenVINO device name ("CPU", "GPU", "AUTO", ...); checked by ov_backend's device rule."""
+    precision: str = DEFAULT_PRECISION
+    """A name of ``ov_backend.precision.PRECISIONS``: "auto" lets the plugin choose (bf16 on CPUs that
+    have it); "f32" forces f32 inference. ov_backend maps it to the plugin's properties."""
     model_caching: bool = True
     """Store compiled models on disk so a later run skips conversion."""
     cache_dir: str | None = None
     """Folder of the compiled-model cache; None means ov_backend's per-user default."""
     accelerate: tuple[str, ...] = PARTS
-    """The parts that run through OpenVINO; the others stay in PyTorch (any of ``PARTS``)."""
+    """The parts that run through OpenVINO, in ``PARTS`` order; the others stay in PyTorch."""
     prediction_type: str | None = None
     """Override of the checkpoint's prediction type ("epsilon" or "v_prediction"); None: detect."""
 
     def to_backend_options(self) -> dict[str, Any]:
         """Return the option dict for ``ov_backend.build_settings``."""
-        options: dict[str, Any] = {"device": self.device, "model_caching": self.model_caching}
+        options: dict[str, Any] = {"device": self.device, "model_caching": self.model_caching,
+                                   "precision": self.precision}
         if self.cache_dir is not None:
             options["cache_dir"] = self.cache_dir
-        if self.precision == "f32":
-            options["config"] = {"INFERENCE_PRECISION_HINT": "f32"}
         return options
 
 
@@ -66,14 +68,7 @@ def build_sd_settings(options: Mapping[str, Any] | None = None) -> SDSettings:
     if unknown:
         raise ValueError(f"unknown SD setting(s) {unknown}; valid keys: {list(_FIELDS)}")
     if "accelerate" in options:
-        parts = options["accelerate"]
-        if isinstance(parts, str):
-            parts = [p for p in parts.split(",") if p.strip()]
-        parts = tuple(sorted({str(p).strip() for p in parts}))
-        bad = [p for p in parts if p not in PARTS]
-        if bad:
-            raise ValueError(f"unknown part(s) to accelerate {bad}; valid: {list(PARTS)}")
-        options["accelerate"] = parts
+        options["accelerate"] = in_order(options["accelerate"])
     settings = SDSettings(**options)
     if settings.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {settings.precision!r}")

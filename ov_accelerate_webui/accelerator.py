@@ -31,31 +31,35 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .backend_bridge import BackendApi
+from .backend_bridge import BackendApi, backend_module
 from .compiled_route import VARYING_DIMS, CompiledRoute, make_forward
 from .finite_guard import F32Switch
-from .graph_runs import GraphRunCounter
 from .lora import LoraHook
 from .model_parts import Target, checkpoint_key, find_targets
 from .routing import Route
 from .settings import PRECISION_F32, AccelerateSettings
 
+if TYPE_CHECKING:
+    from ov_backend.backend import OVBackend
+    from ov_backend.graph_runs import GraphRunCounter
+    from ov_backend.report import CompileReport
+
 logger = logging.getLogger(__name__)
 
-BackendKey = tuple[str, bool, str, tuple[tuple[str, str], ...]]
+BackendKey = tuple[str, bool, str, str]
 
 
 def backend_key(options: Mapping[str, Any]) -> BackendKey:
-    """A hashable key of the backend options that change a compiled model."""
+    """A hashable key of the backend options (``AccelerateSettings.backend_options``)."""
     return (
         str(options["device"]),
         bool(options["model_caching"]),
         str(options["cache_dir"]),
-        tuple(sorted((str(k), str(v)) for k, v in options["config"].items())),
+        str(options["precision"]),
     )
 
 
@@ -64,7 +68,7 @@ class PreparedRun:
     """What one generation routes, and where its status comes from."""
 
     routes: tuple[Route, ...]
-    backend: Any
+    backend: OVBackend
     first_report: int
     settings: AccelerateSettings
     checkpoint: str
@@ -75,7 +79,7 @@ class PreparedRun:
     """Calls of each entry before the run."""
     eager_before: tuple[int, ...] = ()
     """Calls of each entry that ran in plain PyTorch before the run."""
-    key: BackendKey = ("", False, "", ())
+    key: BackendKey = ("", False, "", "")
     """The backend options key of ``backend``."""
     f32_options: Mapping[str, Any] | None = None
     """Backend options of the f32 builds of routes that overflow; None when the run is at f32 already."""
@@ -100,7 +104,7 @@ class Accelerator:
         self._notify = notify or (lambda text: None)
         self._lock = threading.RLock()
         self._checkpoints: set[str] = set()
-        self._backends: dict[BackendKey, Any] = {}
+        self._backends: dict[BackendKey, OVBackend] = {}
         self._counters: dict[BackendKey, GraphRunCounter] = {}
         self._compiled: dict[tuple[BackendKey, str], list[CompiledRoute]] = {}
         self._lora = LoraHook(self._lock)
@@ -144,7 +148,7 @@ class Accelerator:
             self._checkpoints.add(checkpoint_key(model))
             return self._prepared(model, targets, run.key, run.backend, run.settings, run.f32_options)
 
-    def _backend(self, key: BackendKey, options: Mapping[str, Any]) -> Any:
+    def _backend(self, key: BackendKey, options: Mapping[str, Any]) -> OVBackend:
         backend = self._backends.get(key)
         if backend is None:
             backend = self.api.backend_class(self.api.build_settings(dict(options)))
@@ -156,7 +160,7 @@ class Accelerator:
         model: Any,
         targets: list[Target],
         key: BackendKey,
-        backend: Any,
+        backend: OVBackend,
         settings: AccelerateSettings,
         f32_options: Mapping[str, Any] | None,
     ) -> PreparedRun:
@@ -168,7 +172,7 @@ class Accelerator:
         return PreparedRun(
             routes=routes,
             backend=backend,
-            first_report=len(getattr(backend, "reports", ())),
+            first_report=len(backend.reports),
             settings=settings,
             checkpoint=checkpoint_key(model),
             stats_before=dict(backend.stats()),
@@ -178,11 +182,11 @@ class Accelerator:
             key=key,
             f32_options=f32_options,
             f32_before=tuple(e.f32 is not None for e in entries),
-            f32_first_report=len(getattr(f32_backend, "reports", ())),
+            f32_first_report=len(f32_backend.reports) if f32_backend is not None else 0,
             f32_stats_before=dict(f32_backend.stats()) if f32_backend is not None else {},
         )
 
-    def _entry(self, key: BackendKey, backend: Any, target: Target) -> CompiledRoute:
+    def _entry(self, key: BackendKey, backend: OVBackend, target: Target) -> CompiledRoute:
         entries = self._compiled.setdefault((key, target.label), [])
         entry = next((e for e in entries if e.module_ref() is target.module), None)
         if entry is None:
@@ -204,10 +208,10 @@ class Accelerator:
             entries.append(entry)
         return entry
 
-    def _counter(self, key: BackendKey, backend: Any) -> GraphRunCounter:
+    def _counter(self, key: BackendKey, backend: OVBackend) -> GraphRunCounter:
         counter = self._counters.get(key)
         if counter is None or counter.backend is not backend:
-            counter = self._counters[key] = GraphRunCounter(backend)
+            counter = self._counters[key] = backend_module("graph_runs").GraphRunCounter(backend)
         return counter
 
     def _f32_build(self, entry: CompiledRoute, options: Mapping[str, Any]) -> CompiledRoute:
@@ -244,9 +248,7 @@ class Accelerator:
     def _drop_all(self) -> None:
         compiled_any = bool(self._compiled)
         for backend in self._backends.values():
-            reset = getattr(backend, "reset", None)
-            if reset is not None:
-                reset()
+            backend.reset()
         self._backends.clear()
         self._counters.clear()
         self._compiled.clear()
@@ -273,42 +275,18 @@ class Accelerator:
                 self._drop_all()
                 self._checkpoints = set()
 
-    def backend_settings(self) -> list[Any]:
-        """Settings objects of the live backends (what the panel's choices became)."""
-        with self._lock:
-            return [getattr(backend, "settings", None) for backend in self._backends.values()]
-
-    def compiled_paths(self) -> list[str]:
-        """Paths of modules that have a compiled forward now (for the panel and tests)."""
-        with self._lock:
-            return sorted({label for (_key, label), entries in self._compiled.items() if entries})
-
-    def _f32_backend(self, run: PreparedRun) -> Any | None:
+    def _f32_backend(self, run: PreparedRun) -> OVBackend | None:
         """The backend of ``run``'s f32 builds, if one exists."""
         return self._backends.get(backend_key(run.f32_options)) if run.f32_options is not None else None
 
-    def reports_since(self, run: PreparedRun) -> list[Any]:
+    def reports_since(self, run: PreparedRun) -> list[CompileReport]:
         """The compile reports the backend (and the one of f32 builds) produced during ``run``."""
         with self._lock:
-            reports = list(getattr(run.backend, "reports", ())[run.first_report :])
+            reports = run.backend.reports[run.first_report :]
             f32_backend = self._f32_backend(run)
             if f32_backend is not None:
-                reports += list(getattr(f32_backend, "reports", ())[run.f32_first_report :])
+                reports += f32_backend.reports[run.f32_first_report :]
             return reports
-
-    def calls_since(self, run: PreparedRun) -> dict[str, int]:
-        """Route label -> how many times it was called during ``run`` (0: routed but never called)."""
-        with self._lock:
-            return {e.label: e.calls - before for e, before in zip(run.entries, run.calls_before)}
-
-    def eager_since(self, run: PreparedRun) -> dict[str, tuple[int, str]]:
-        """Route label -> (calls dynamo ran in plain PyTorch during ``run``, why), for routes that had any."""
-        with self._lock:
-            return {
-                e.label: (e.eager_calls - before, e.eager_reason)
-                for e, before in zip(run.entries, run.eager_before)
-                if e.eager_calls > before
-            }
 
     def f32_since(self, run: PreparedRun) -> dict[str, tuple[F32Switch, bool]]:
         """Route label -> (why it runs at f32, whether it switched during ``run``), for routes of ``run`` that

@@ -77,6 +77,16 @@ class BackendApi:
     """``ov_backend.cache.ModelCache``: folder -> cache object (entries, total_bytes, clear, prune)."""
 
 
+def backend_module(name: str) -> ModuleType:
+    """The module ``ov_backend.<name>`` of this extension's own copy of the backend.
+
+    Raises:
+        ModuleNotFoundError, or whatever importing openvino raises when it is broken.
+    """
+    import_sibling_package("ov_backend")
+    return importlib.import_module(f"ov_backend.{name}")
+
+
 def load_backend() -> BackendApi:
     """Import ov_backend and return its API.
 
@@ -85,13 +95,11 @@ def load_backend() -> BackendApi:
     """
     try:
         backend = import_sibling_package("ov_backend")
-        devices = importlib.import_module("ov_backend.devices")
-        cache = importlib.import_module("ov_backend.cache")
         return BackendApi(
             build_settings=backend.build_settings,
             backend_class=backend.OVBackend,
-            list_devices=devices.list_devices,
-            model_cache=cache.ModelCache,
+            list_devices=backend_module("devices").list_devices,
+            model_cache=backend_module("cache").ModelCache,
         )
     except Exception as exc:  # ImportError, or a broken openvino raising anything at import
         message = (

@@ -21,13 +21,16 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .backend_bridge import backend_module
 from .finite_guard import F32Switch, all_finite
-from .graph_runs import GraphRunCounter, why_eager
 from .settings import PART_LABELS
+
+if TYPE_CHECKING:
+    from ov_backend.graph_runs import GraphRunCounter
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ logger = logging.getLogger(__name__)
 #: SDXL's ``y`` (batch); 3-D UNet context (batch, prompt length in 77-token chunks); 4-D latents and
 #: images (batch, height, width). Channels and the 77 tokens of a chunk never change.
 VARYING_DIMS: dict[int, tuple[int, ...]] = {1: (0,), 2: (0,), 3: (0, 1), 4: (0, 2, 3)}
+#: How long dynamo's giving up on a routed function lasts, as a WebUI user sees it.
+EAGER_UNTIL = "until another checkpoint is loaded or the WebUI restarts"
 
 
 def mark_varying_dims(
@@ -114,7 +119,7 @@ def make_forward(
             if new:
                 notify(None)
         eager = build.counter.graphs_run() == before  # dynamo ran it without a compiled graph
-        reason = why_eager(entry.code) if eager else ""
+        reason = backend_module("graph_runs").why_eager(entry.code, EAGER_UNTIL) if eager else ""
         with lock:
             if eager:
                 entry.eager_calls += 1

@@ -14,14 +14,14 @@ from typing import Any
 
 from . import host
 from .accelerator import Accelerator
-from .backend_bridge import BackendApi, BackendUnavailable, load_backend
+from .backend_bridge import BackendApi, BackendUnavailable, backend_module, load_backend
 from .infotext import generation_params
 from .lora import changes_line
 from .model_parts import UnsupportedModel, checkpoint_key
 from .precompile import ReadySizes, Size, parse_sizes
 from .session import RoutingSession
 from .settings import AccelerateSettings
-from .status import eager_line, format_bytes, run_status
+from .status import run_status
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Extension:
             status += "\n" + changes_line(lora_changes, accelerator.reports_since(prepared))
         logger.info("%s", status)
         if eager:
-            logger.warning("Accelerate with OpenVINO: %s", eager_line(eager, calls))
+            logger.warning("Accelerate with OpenVINO: %s", backend_module("graph_runs").describe_eager(eager, calls))
         self.last_status = status
         self._record_run(status, settings, calls, eager, accelerator.stats_since(prepared),
                          accelerator.reports_since(prepared), session.events, lora_changes)
@@ -155,7 +155,7 @@ class Extension:
     ) -> None:
         fallbacks: dict[str, str] = {}
         for report in reports:
-            fallbacks.update(getattr(report, "fallback_ops", {}) or {})
+            fallbacks.update(report.fallback_ops)
         run = {
             "accelerated": True,
             "status": status,
@@ -226,7 +226,8 @@ class Extension:
         """E.g. "12 entries, 1.2 GiB in /models/openvino_cache"."""
         path = self.cache_dir(folder)
         cache = self.api().model_cache(path)
-        return f"{len(list(cache.entries()))} entries, {format_bytes(cache.total_bytes())} in {path}"
+        size = backend_module("files").format_bytes(cache.total_bytes())
+        return f"{len(list(cache.entries()))} entries, {size} in {path}"
 
     def clear_cache(self, folder: str, confirmed: bool) -> str:
         """Delete the compiled models on disk if ``confirmed``; returns the new size text."""

@@ -15,15 +15,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ov_accelerate_sd.parts import PARTS
+
+from .backend_bridge import backend_module
+
 logger = logging.getLogger(__name__)
 
 PRECISION_AUTO = "Automatic (fastest the device supports)"
 PRECISION_F32 = "Full precision (f32)"
 PRECISIONS: tuple[str, ...] = (PRECISION_AUTO, PRECISION_F32)
 
-#: Part name -> short name used in the infotext and the status.
-PART_LABELS: dict[str, str] = {"text_encoder": "TE", "unet": "UNet", "vae": "VAE"}
-#: Precision -> its short name in the infotext (also accepted by :func:`build_settings`).
+#: Part name (``ov_accelerate_sd.parts.PARTS``, in that order) -> short name used in the infotext and the status.
+PART_LABELS: dict[str, str] = dict(zip(PARTS, ("UNet", "VAE", "TE"), strict=True))
+#: Precision label -> its name in ov_backend's precision table (``ov_backend.precision.PRECISIONS``), which
+#: is also how the infotext writes it and what :func:`build_settings` accepts besides the label. The
+#: backend maps the name to the plugin's properties.
 PRECISION_NAMES: dict[str, str] = {PRECISION_AUTO: "auto", PRECISION_F32: "f32"}
 
 
@@ -89,19 +95,16 @@ class AccelerateSettings:
 
     @property
     def parts(self) -> tuple[str, ...]:
-        """The parts to accelerate, sorted by name."""
-        return tuple(name for name in sorted(PART_LABELS) if getattr(self, name))
+        """The parts to accelerate, in ``PARTS`` order."""
+        return tuple(name for name in PARTS if getattr(self, name))
 
     def backend_options(self, default_cache_dir: str) -> dict[str, Any]:
         """The options handed to ``ov_backend.build_settings``."""
-        config: dict[str, str] = {}
-        if self.precision == PRECISION_F32:
-            config["INFERENCE_PRECISION_HINT"] = "f32"
         return {
             "device": self.device,
             "model_caching": self.model_caching,
             "cache_dir": self.cache_dir or default_cache_dir,
-            "config": config,
+            "precision": PRECISION_NAMES[self.precision],
         }
 
     def infotext(self) -> str:
@@ -132,9 +135,7 @@ class InfotextItem(NamedTuple):
 #: precision. The fields not listed (model_caching, cache_dir) belong to this machine, not to the image.
 INFOTEXT_ITEMS: tuple[InfotextItem, ...] = (
     InfotextItem("device", "device", 0),
-    InfotextItem("unet", PART_LABELS["unet"], 1),
-    InfotextItem("vae", PART_LABELS["vae"], 1),
-    InfotextItem("text_encoder", PART_LABELS["text_encoder"], 1),
+    *(InfotextItem(part, PART_LABELS[part], 1) for part in PARTS),
     InfotextItem("precision", "precision", 2, PRECISION_NAMES),
 )
 INFOTEXT_SLOTS = 3
@@ -203,9 +204,7 @@ def parse_infotext(text: str) -> tuple[dict[str, Any], list[str]]:
 def _check_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ValueError(f"OpenVINO setting {name!r} must be true or false, got {value!r}")
+    raise ValueError(f"OpenVINO setting {name!r} must be true or false (a boolean), got {value!r}")
 
 
 def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None = None) -> AccelerateSettings:
@@ -213,7 +212,9 @@ def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None
 
     Args:
         values: field name -> value. A device may be given as a panel label ("GPU.0: Intel ...").
-        device_names: devices accepted besides AUTO/HETERO/MULTI; None skips the device check.
+        device_names: the devices OpenVINO sees (from the loaded backend); the device is checked
+            against them by ov_backend's device rule (``ov_backend.devices.check_device``). None
+            skips the device check.
 
     Raises:
         ValueError: on an unknown key, an unknown device or precision, or a value of the wrong type.
@@ -226,8 +227,8 @@ def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None
         if isinstance(f.default, bool):
             merged[f.name] = _check_bool(f.name, merged[f.name])
     device = device_from_label(str(merged["device"] or DEFAULTS.device))
-    if device_names is not None and not _device_known(device, device_names):
-        raise ValueError(f"Unknown OpenVINO device {device!r}; available: {['AUTO', *device_names]}")
+    if device_names is not None:
+        device = backend_module("devices").check_device(device, device_names)
     merged["device"] = device
     by_name = {name: value for value, name in PRECISION_NAMES.items()}
     precision = by_name.get(merged["precision"], merged["precision"])
@@ -251,12 +252,3 @@ def from_ui_args(args: Sequence[Any], device_names: Sequence[str] | None = None)
 def device_from_label(label: str) -> str:
     """ "GPU.0: Intel(R) Arc(TM) A770 Graphics" -> "GPU.0"; a bare name is returned unchanged."""
     return label.split(": ", 1)[0].strip()
-
-
-def _device_known(device: str, device_names: Sequence[str]) -> bool:
-    if device == "AUTO" or device in device_names:
-        return True
-    head, _, rest = device.partition(":")
-    if head in ("HETERO", "MULTI", "AUTO") and rest:
-        return all(name in device_names for name in rest.split(","))
-    return False

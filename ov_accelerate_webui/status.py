@@ -1,26 +1,20 @@
-"""Plain-text and HTML status shown after a run, and the human-readable sizes of the cache."""
+"""Plain-text and HTML status shown after a run."""
 
 from __future__ import annotations
 
 import html
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
+from .backend_bridge import backend_module
 from .finite_guard import F32Switch
 from .settings import AccelerateSettings
 
+if TYPE_CHECKING:
+    from ov_backend.report import CompileReport
+
 logger = logging.getLogger(__name__)
-
-
-def format_bytes(size: int) -> str:
-    """1536 -> "1.5 KiB"."""
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
 
 
 def _calls(count: int) -> str:
@@ -30,7 +24,7 @@ def _calls(count: int) -> str:
 def run_status(
     settings: AccelerateSettings,
     routed: Mapping[str, int],
-    reports: Iterable[Any],
+    reports: Iterable[CompileReport],
     stats: dict[str, float],
     switches: Sequence[str] = (),
     eager: Mapping[str, tuple[int, str]] | None = None,
@@ -49,13 +43,13 @@ def run_status(
             during this run).
     """
     reports = list(reports)
-    devices = sorted({str(getattr(r, "device", settings.device)) for r in reports}) or [settings.device]
+    devices = sorted({r.device for r in reports}) or [settings.device]
     parts = ", ".join(f"{label} ({_calls(count)})" for label, count in routed.items())
     lines = [f"OpenVINO ({settings.infotext()}) on {', '.join(devices)}: {parts or 'nothing routed'}."]
     if switches:
         lines.append("Model switches during the generation: " + "; ".join(switches) + ".")
     if eager:
-        lines.append(eager_line(eager, routed))
+        lines.append(backend_module("graph_runs").describe_eager(eager, routed))
     lines.extend(f32_lines(f32 or {}))
     lines.append(
         f"Compile {stats.get('compile_seconds', 0.0):.1f} s, run {stats.get('run_seconds', 0.0):.1f} s; "
@@ -64,10 +58,8 @@ def run_status(
     )
     fallbacks: dict[str, str] = {}
     for report in reports:
-        fallbacks.update(getattr(report, "fallback_ops", {}) or {})
-        summary = getattr(report, "summary", None)
-        if summary is not None:
-            lines.append(f"  {summary()}")
+        fallbacks.update(report.fallback_ops)
+        lines.append(f"  {report.summary()}")
     if fallbacks:
         lines.append("Ran in PyTorch: " + "; ".join(f"{op} ({reason})" for op, reason in sorted(fallbacks.items())))
     else:
@@ -79,12 +71,6 @@ def run_status(
             else "Nothing fell back to PyTorch."
         )
     return "\n".join(lines)
-
-
-def eager_line(eager: Mapping[str, tuple[int, str]], routed: Mapping[str, int]) -> str:
-    """The status line for routed calls that torch.compile ran in plain PyTorch."""
-    items = [f"{label} ({count} of {routed.get(label, count)} calls: {why})" for label, (count, why) in eager.items()]
-    return "Not accelerated, ran in plain PyTorch: " + "; ".join(items) + "."
 
 
 def f32_lines(f32: Mapping[str, tuple[F32Switch, bool]]) -> list[str]:

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ov_accelerate_sd.parts import PARTS
+
 from . import host
 from .backend_bridge import BackendUnavailable
 from .infotext import expand_pasted
@@ -113,7 +115,7 @@ def build_panel(script: Any, extension: Any, is_img2img: bool) -> Panel:
             elem_id=ids["device"],
         )
         with gr.Row():
-            for name in ("unet", "vae", "text_encoder"):
+            for name in PARTS:
                 fields[name] = gr.Checkbox(label=meta[name]["label"], value=bool(defaults[name]), elem_id=ids[name])
         fields["precision"] = gr.Radio(
             label=meta["precision"]["label"],

@@ -1,8 +1,14 @@
-"""OpenVINO devices: which are present, their full names, and device-string validation."""
+"""OpenVINO devices: which are present, their full names, and the one rule of valid device strings.
+
+:func:`check_device` is the device rule of every layer: the backend's settings, the SD layer (through
+them) and the WebUI adapter's panel and API all call it, so a device string is accepted or refused the
+same way everywhere.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import openvino as ov
@@ -85,3 +91,28 @@ def unknown_device_parts(device: str, available: list[str]) -> str | None:
                 return part
         return None
     return None if _known(device, available) else device
+
+
+def check_device(device: object, available: Sequence[str]) -> str:
+    """``device`` stripped, if it names available devices; otherwise a ValueError listing them.
+
+    The rule: a name in ``available`` ("GPU.0"), a generic name of one ("GPU" for "GPU.0"), "AUTO",
+    or "AUTO:" / "HETERO:" / "MULTI:" / "BATCH:" followed by a comma-separated list of such names
+    ("BATCH:GPU(4)" takes a batch size in parentheses). These are the names OpenVINO's
+    ``compile_model`` takes.
+
+    Raises:
+        ValueError: not a string, empty, or a part that names no available device (named, with the
+            available devices).
+    """
+    if not isinstance(device, str) or not device.strip():
+        raise ValueError(f"option 'device' must be a device name, got {device!r}")
+    device = device.strip()
+    problem = unknown_device_parts(device, list(available))
+    if problem:
+        raise ValueError(
+            f"unknown OpenVINO device {problem!r} in {device!r}; available devices: "
+            f"{', '.join(available) or 'none'} (also AUTO, a generic name such as GPU for GPU.0, "
+            f"and {'/'.join(p + ':' for p in MULTI_DEVICE_PREFIXES)} lists of them)"
+        )
+    return device

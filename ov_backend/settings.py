@@ -1,7 +1,7 @@
 """Backend settings: one frozen, validated object built from user options.
 
 Owns the option names (the documented set of openvino's stock ``torch.compile`` backend, plus
-``strict`` and ``min_partition_ops``), their defaults, the deprecated environment variables read
+``precision``, ``strict`` and ``min_partition_ops``), their defaults, the deprecated environment variables read
 as defaults, and the validation of every value. Change a settings object with :func:`dataclasses.replace`.
 """
 
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ov_backend import devices, ops
+from ov_backend.files import user_cache_root
+from ov_backend.precision import DEFAULT_PRECISION, PRECISION_CONFIG, PRECISIONS
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +39,7 @@ _FALSE = frozenset({"0", "false", "no", "off", ""})
 
 def default_cache_dir() -> Path:
     """The per-user cache folder for compiled models (never the working directory)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ov_backend"
+    return user_cache_root() / "ov_backend"
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ class BackendSettings:
             name such as "GPU", "AUTO", or "HETERO:a,b" / "MULTI:a,b" / "AUTO:a,b".
         model_caching: store converted models under ``cache_dir`` and reuse them across processes.
         cache_dir: folder of the on-disk cache.
-        config: properties handed to ``openvino.Core.compile_model`` (string keys and values).
+        config: properties handed to ``openvino.Core.compile_model`` (string keys and values),
+            those of ``precision`` included.
+        precision: a name in :data:`ov_backend.precision.PRECISION_CONFIG`; its properties are part of ``config``.
         decompositions: extra aten ops to decompose before conversion.
         disabled_ops: aten ops forced to run in PyTorch.
         aot_autograd: trace through AOTAutograd before conversion.
@@ -65,6 +68,7 @@ class BackendSettings:
     model_caching: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
     config: tuple[tuple[str, str], ...] = ()
+    precision: str = DEFAULT_PRECISION
     decompositions: tuple[str, ...] = ()
     disabled_ops: tuple[str, ...] = ()
     aot_autograd: bool = False
@@ -123,17 +127,7 @@ def _env_defaults() -> dict[str, Any]:
 
 
 def _check_device(device: Any) -> str:
-    if not isinstance(device, str) or not device.strip():
-        raise ValueError(f"option 'device' must be a device name, got {device!r}")
-    device = device.strip()
-    available = devices.available_devices()
-    problem = devices.unknown_device_parts(device, available)
-    if problem:
-        raise ValueError(
-            f"unknown OpenVINO device {problem!r} in {device!r}; available devices: "
-            f"{', '.join(available) or 'none'} (also AUTO, and HETERO:/MULTI:/AUTO: lists of them)"
-        )
-    return device
+    return devices.check_device(device, devices.available_devices())
 
 
 def _check_config(config: Any) -> tuple[tuple[str, str], ...]:
@@ -147,6 +141,17 @@ def _check_config(config: Any) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"option 'config' keys must be strings, got {key!r}")
         items.append((key, value if isinstance(value, str) else str(value)))
     return tuple(sorted(items))
+
+
+def _with_precision(precision: Any, config: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    if precision not in PRECISION_CONFIG:
+        raise ValueError(f"option 'precision' must be one of {list(PRECISIONS)}, got {precision!r}")
+    merged = dict(config)
+    for key, value in PRECISION_CONFIG[precision].items():
+        if merged.setdefault(key, value) != value:
+            raise ValueError(f"option 'precision' {precision!r} sets {key}={value}, but 'config' sets "
+                             f"{key}={merged[key]}; give one of them")
+    return tuple(sorted(merged.items()))
 
 
 def _check_ops(name: str, values: Any, *, known: frozenset[str] | None) -> tuple[str, ...]:
@@ -182,7 +187,7 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
         The frozen settings.
 
     Raises:
-        ValueError: an unknown option key, device, op name or a value of the wrong kind
+        ValueError: an unknown option key, device, precision, op name or a value of the wrong kind
             (``min_partition_ops`` below 1, or not a whole number).
     """
     if isinstance(options, BackendSettings):
@@ -201,7 +206,8 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
         device=_check_device(merged.get("device", "CPU")),
         model_caching=_as_bool("model_caching", merged.get("model_caching", False)),
         cache_dir=Path(cache_dir).expanduser() if cache_dir not in (None, "") else default_cache_dir(),
-        config=_check_config(merged.get("config")),
+        config=_with_precision(merged.get("precision", DEFAULT_PRECISION), _check_config(merged.get("config"))),
+        precision=merged.get("precision", DEFAULT_PRECISION),
         decompositions=_check_ops("decompositions", merged.get("decompositions"), known=None),
         disabled_ops=_check_ops("disabled_ops", merged.get("disabled_ops"), known=ops.SUPPORTED_OPS),
         aot_autograd=_as_bool("aot_autograd", merged.get("aot_autograd", False)),

@@ -26,7 +26,7 @@ def test_defaults(monkeypatch):
 
 
 def test_option_names_are_the_stock_set_plus_ours():
-    assert set(OPTION_NAMES) == {"device", "model_caching", "cache_dir", "config", "decompositions",
+    assert set(OPTION_NAMES) == {"device", "model_caching", "cache_dir", "config", "precision", "decompositions",
                                  "disabled_ops", "aot_autograd", "strict", "min_partition_ops"}
 
 
@@ -95,3 +95,53 @@ def test_min_partition_ops():
         with pytest.raises(ValueError, match=r"'min_partition_ops' must be a whole number >= 1 \(partitions with "
                                              r"fewer aten ops run in PyTorch.*got " + re.escape(repr(bad))):
             build_settings({"min_partition_ops": bad})
+
+
+@pytest.mark.parametrize(
+    ("device", "accepted"),
+    [
+        ("GPU.0", True), ("GPU", True), ("AUTO", True), ("AUTO:GPU,CPU", True), ("HETERO:GPU.0,CPU", True),
+        ("MULTI:GPU.0,CPU", True), ("BATCH:GPU(4)", True), ("BATCH:GPU.0", True),
+        ("NPU", False), ("GPU.1", False), ("BATCH:NPU", False), ("HETERO:", False), ("HETERO:GPU,,CPU", False),
+    ],
+)
+def test_the_device_rule(device: str, accepted: bool) -> None:
+    """The one device rule (OpenVINO's names: generic "GPU" is GPU.0's device, BATCH: takes a batch size)."""
+    from ov_backend.devices import check_device
+
+    if accepted:
+        assert check_device(device, ["CPU", "GPU.0"]) == device
+    else:
+        with pytest.raises(ValueError, match=r"unknown OpenVINO device .*available devices: CPU, GPU\.0"):
+            check_device(device, ["CPU", "GPU.0"])
+
+
+def test_precision_names_map_to_the_plugin_hint() -> None:
+    assert build_settings({"precision": "f32"}).config_dict == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert build_settings({"precision": "auto"}).config_dict == {}
+    assert build_settings({}).precision == "auto"
+    again = build_settings(build_settings({"precision": "f32"}))
+    assert (again.precision, again.config_dict) == ("f32", {"INFERENCE_PRECISION_HINT": "f32"})
+    with pytest.raises(ValueError, match=r"'precision' must be one of \['auto', 'f32'\], got 'bf16'"):
+        build_settings({"precision": "bf16"})
+    with pytest.raises(ValueError, match="INFERENCE_PRECISION_HINT=bf16; give one of them"):
+        build_settings({"precision": "f32", "config": {"INFERENCE_PRECISION_HINT": "bf16"}})
+    # the precision changes what a compiled model computes, so it is in the cache key
+    assert build_settings({"precision": "f32"}).result_key() != build_settings({}).result_key()
+
+
+def test_format_bytes_uses_binary_units_with_binary_names() -> None:
+    from ov_backend.files import format_bytes
+
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 5 << 20, 3 << 30, 2 << 40)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "5.0 MiB", "3.0 GiB", "2.0 TiB"]
+
+
+def test_per_user_cache_folder(monkeypatch, tmp_path: Path) -> None:
+    from ov_backend.settings import default_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "ov_backend"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "ov_backend"

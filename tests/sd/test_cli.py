@@ -126,7 +126,7 @@ def test_demo_through_openvino_then_cache_commands(tmp_path: Path, capsys) -> No
     assert "per image" not in summary  # one batch only: nothing after the warm-up to measure it on
     assert "OpenVINO calls" in summary
     info = parse_infotext(read_png_infotext(out / "00000-3.png"))
-    assert info["OpenVINO device"] == "CPU" and info["OpenVINO parts"] == "text_encoder+unet+vae"
+    assert info["OpenVINO device"] == "CPU" and info["OpenVINO parts"] == "unet+vae+text_encoder"
 
     assert main(["cache", "list", "--cache-dir", str(cache)]) == 0
     listed = capsys.readouterr().out
@@ -328,3 +328,37 @@ def test_run_times_with_one_batch_give_no_steady_per_image_time() -> None:
     times.batch_done(1)
     assert times.seconds_per_image is None and times.seconds_per_step is None
     assert times.describe(None) == "first batch 4.0s"
+
+
+def test_cache_list_gives_sizes_in_binary_units(tmp_path: Path, capsys) -> None:
+    entry = tmp_path / "cache" / "models" / "abc123"
+    entry.mkdir(parents=True)
+    (entry / "meta.json").write_text('{"description": "graph 0"}'.ljust(1536))  # 1.5 * 1024 bytes
+    assert main(["cache", "list", "--cache-dir", str(tmp_path / "cache")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"abc123\s+1\.5 KiB\s", lines[0]), lines
+    assert lines[-1] == f"1 entries, 1.5 KiB in {tmp_path / 'cache'}"
+
+
+def test_generate_reports_calls_dynamo_ran_in_pytorch(tmp_path: Path, sd1_checkpoint: Path, capsys) -> None:
+    """With dynamo's recompile limit at 1, the UNet's second prompt length (a 154-token context) runs
+    uncompiled: the run says so, as the WebUI's status does."""
+    import torch
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n" + "word " * 90 + "\n", encoding="utf-8")
+    argv = ["generate", "--checkpoint", str(sd1_checkpoint), "--prompts-file", str(prompts), "--seed", "1",
+            *SMALL, "--precision", "f32", "--no-cache", "--out", str(tmp_path / "out"),
+            "--pytorch", "vae", "--pytorch", "text_encoder"]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: Not accelerated, ran in plain PyTorch: unet (" in err, err
+    assert "torch.compile gave up on it: dynamo's recompile limit (1 compiled variants" in err, err
+    torch._dynamo.reset()
+    again = ["generate", "--checkpoint", str(sd1_checkpoint), "--prompt", "a red cat", "--seed", "1", *SMALL,
+             "--precision", "f32", "--no-cache", "--out", str(tmp_path / "again"), "--pytorch", "vae",
+             "--pytorch", "text_encoder"]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert main(again) == 0  # one prompt length: every call compiled, nothing to report
+    assert "Not accelerated" not in capsys.readouterr().err

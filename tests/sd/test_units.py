@@ -21,10 +21,12 @@ from ov_accelerate_sd.tokenizer import VOCAB_SIZE, clip_tokenizer
 def test_settings_defaults_and_backend_options() -> None:
     settings = build_sd_settings({"precision": "f32", "cache_dir": "/x", "accelerate": "unet,vae"})
     assert settings.accelerate == ("unet", "vae")
-    assert settings.to_backend_options() == {
-        "device": "CPU", "model_caching": True, "cache_dir": "/x", "config": {"INFERENCE_PRECISION_HINT": "f32"}
-    }
-    assert "config" not in build_sd_settings().to_backend_options()
+    from ov_backend import build_settings
+
+    backend = build_settings(settings.to_backend_options())
+    assert (backend.device, backend.model_caching, str(backend.cache_dir)) == ("CPU", True, "/x")
+    assert backend.config_dict == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert build_settings(build_sd_settings().to_backend_options()).config_dict == {}
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.device = "GPU"  # type: ignore[misc]
 

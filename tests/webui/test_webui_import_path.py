@@ -31,7 +31,8 @@ CHILD = textwrap.dedent(
     sys.path[:] = [p for p in sys.path if p not in ("", ".", checkout)] + [fake_host]
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
                         and "editable" not in getattr(f, "__name__", "").lower()]
-    for name in [m for m in sys.modules if m.split(".")[0] in ("ov_backend", "ov_accelerate_webui")]:
+    packages = ("ov_backend", "ov_accelerate_sd", "ov_accelerate_webui")
+    for name in [m for m in sys.modules if m.split(".")[0] in packages]:
         del sys.modules[name]
     saved = sys.path
     sys.path = [ext] + sys.path
@@ -57,7 +58,7 @@ CHILD = textwrap.dedent(
 
 def test_backend_imports_at_generation_time_after_a1111_restored_sys_path(tmp_path: Path) -> None:
     ext = tmp_path / "extensions" / "sd-webui-openvino-accelerate"
-    for part in ("scripts", "ov_accelerate_webui", "ov_backend"):
+    for part in ("scripts", "ov_accelerate_webui", "ov_accelerate_sd", "ov_backend"):
         shutil.copytree(ROOT / part, ext / part, ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run(
         [sys.executable, "-c", CHILD, str(ext), str(ROOT), str(FAKE_HOST)],

@@ -1,0 +1,129 @@
+"""Whether dynamo ran a call with a compiled graph, or gave up and ran it in plain PyTorch.
+
+dynamo falls back to plain PyTorch without raising: when a function reaches its recompile limit
+(``torch._dynamo.config.recompile_limit``, 8 by default) every new kind of input runs uncompiled from
+then on, and the only trace is one torch warning. Wrapping the backend in a :class:`GraphRunCounter`
+counts the compiled graphs that ran in each thread; a call of a compiled function during which none ran
+was not accelerated. :func:`why_eager` says why, :class:`EagerCalls` tallies such calls per label and
+:func:`describe_eager` is the one sentence every entry point reports them with (the command line's
+summary, the WebUI's status and log).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from types import CodeType
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: What :func:`why_eager` says lasts the fallback, unless the caller knows better (the WebUI does).
+UNTIL_RESET = "until torch.compiler.reset() or the end of the process"
+
+
+class GraphRunCounter:
+    """The backend as torch.compile sees it: the same backend, with a count of the compiled graphs that
+    ran in each thread. A call during which none ran was run by dynamo in plain PyTorch.
+
+    Args:
+        backend: an ``OVBackend`` (or another backend with ``reset()``).
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._local = threading.local()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        compiled = self.backend(gm, example_inputs)
+        local = self._local
+
+        def run(*args: Any) -> Any:
+            local.graphs = getattr(local, "graphs", 0) + 1
+            return compiled(*args)
+
+        return run
+
+    def graphs_run(self) -> int:
+        """Compiled graphs that ran in this thread so far."""
+        return getattr(self._local, "graphs", 0)
+
+    def reset(self) -> None:
+        """``torch._dynamo.reset()`` calls this on every backend it used."""
+        self.backend.reset()
+
+
+def why_eager(code: CodeType | None, until: str = UNTIL_RESET) -> str:
+    """Why dynamo ran a call of ``code`` in plain PyTorch, as far as dynamo tells.
+
+    Args:
+        code: the code object of the compiled function (dynamo keeps its variants there).
+        until: how long the fallback lasts, in the caller's terms.
+    """
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(
+        torch._dynamo.config, "cache_size_limit", None
+    )
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        variants = len(_debug_get_cache_entry_list(code)) if code is not None else None
+    except (ImportError, TypeError, RuntimeError):
+        variants = None
+    if limit is not None and variants is not None and variants >= limit:
+        return (
+            f"torch.compile gave up on it: dynamo's recompile limit ({limit} compiled variants of "
+            f"{code.co_name}) is reached, so every new kind of input runs in PyTorch {until}"
+        )
+    return "torch.compile did not compile this call (see dynamo's warnings in the log)"
+
+
+def describe_eager(eager: Mapping[str, tuple[int, str]], calls: Mapping[str, int]) -> str:
+    """The report of calls that dynamo ran in plain PyTorch.
+
+    Args:
+        eager: label -> (calls run in PyTorch, why).
+        calls: label -> all calls of that label (missing: the eager count).
+    """
+    items = [f"{label} ({count} of {calls.get(label, count)} calls: {why})" for label, (count, why) in eager.items()]
+    return "Not accelerated, ran in plain PyTorch: " + "; ".join(items) + "."
+
+
+class EagerCalls:
+    """Calls of compiled functions, per label, and those dynamo ran in plain PyTorch (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls: dict[str, int] = {}
+        self.eager: dict[str, tuple[int, str]] = {}
+
+    def watch(self, label: str, compiled: Callable[..., Any], counter: GraphRunCounter,
+              code: CodeType | None) -> Callable[..., Any]:
+        """``compiled`` (made with ``torch.compile(..., backend=counter)``), counting its calls under ``label``."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before = counter.graphs_run()
+            result = compiled(*args, **kwargs)
+            ran_eager = counter.graphs_run() == before
+            reason = why_eager(code) if ran_eager else ""
+            with self._lock:
+                self.calls[label] = self.calls.get(label, 0) + 1
+                if ran_eager:
+                    count = self.eager.get(label, (0, ""))[0]
+                    self.eager[label] = (count + 1, reason)
+            return result
+
+        return call
+
+    def report(self) -> str | None:
+        """:func:`describe_eager` of the calls so far, or None when every call ran a compiled graph."""
+        with self._lock:
+            return describe_eager(self.eager, self.calls) if self.eager else None
+
+    def clear(self) -> None:
+        """Forget the calls so far."""
+        with self._lock:
+            self.calls.clear()
+            self.eager.clear()

@@ -1,0 +1,24 @@
+"""Precision names and the OpenVINO properties each one sets: the one table every layer uses.
+
+The backend's ``precision`` option, the SD layer's ``--precision`` and the WebUI panel's precision
+labels are names of :data:`PRECISION_CONFIG`; only the backend turns a name into plugin properties
+(``ov_backend.build_settings`` adds them to ``config``). Imports nothing, so the command line can list
+the names before torch and OpenVINO are loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+#: Precision name -> the ``compile_model`` properties it sets. "auto": the plugin picks (bf16 or f16
+#: where the device has it; results differ slightly from PyTorch); "f32": f32 inference, which
+#: matches PyTorch closely.
+PRECISION_CONFIG: dict[str, dict[str, str]] = {
+    "auto": {},
+    "f32": {"INFERENCE_PRECISION_HINT": "f32"},
+}
+#: The names, in the order a choice lists them (the default first).
+PRECISIONS: tuple[str, ...] = tuple(PRECISION_CONFIG)
+DEFAULT_PRECISION = PRECISIONS[0]
