@@ -24,7 +24,7 @@ from ov_backend.inputs import InputKind, classify_inputs
 from ov_backend.ops import decomposition_table
 from ov_backend.report import CompileReport, Stats
 from ov_backend.settings import BackendSettings, build_settings
-from ov_backend.weights import shared_memo
+from ov_backend.weights import DigestMemo
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,9 @@ class OVBackend:
         self.stats_counter = Stats()
         self.versions = {"openvino": ov.get_version(), "torch": torch.__version__,
                          "ov_backend": _version("sd-webui-openvino-accelerate")}
-        #: per-tensor weight digests, shared by every graph (and backend) of the process: each
-        #: weight is hashed once while it stays unchanged
-        self.digests = shared_memo()
+        #: per-tensor weight digests, shared by every graph of this backend: each weight is hashed
+        #: once while it stays unchanged (cleared by reset())
+        self.digests = DigestMemo()
         self._lock = threading.Lock()
         self._reports: list[CompileReport] = []
         self._graphs: list[CompiledGraph] = []
@@ -157,7 +157,7 @@ class OVBackend:
         return self.stats_counter.snapshot()
 
     def reset(self) -> None:
-        """Drop compiled graphs, reports and counters.
+        """Drop compiled graphs, reports, counters and weight digests.
 
         ``torch._dynamo.reset()`` calls this on every backend it used, so that nothing compiled
         outlives dynamo's own caches.
@@ -166,6 +166,7 @@ class OVBackend:
             self._graphs.clear()
             self._reports.clear()
         self.stats_counter.reset()
+        self.digests.clear()
 
 
 def ov_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],

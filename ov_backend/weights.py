@@ -9,7 +9,7 @@ content fingerprint (:func:`fingerprint`) then names exactly those weights in ca
 Both hold weak references, so a tensor that was freed and replaced by a new one at the same
 address is never mistaken for the old one. :class:`DigestMemo` remembers each tensor's digest
 while it is unchanged, so the several graphs dynamo makes of one module (one per shape regime,
-or per graph break) hash each weight once.
+or per graph break) hash each weight once; each ``OVBackend`` owns one and clears it on ``reset()``.
 """
 
 from __future__ import annotations
@@ -65,10 +65,6 @@ class WeightWatch:
                 return True
         return False
 
-    def update(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Remember ``tensors`` as the current weights."""
-        self._states = [_state(t) for t in tensors]
-
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
@@ -118,6 +114,11 @@ class DigestMemo:
         with self._lock:
             known[key] = (state, digest)
 
+    def clear(self) -> None:
+        """Forget every digest (the owner's reset)."""
+        with self._lock:
+            self._known.clear()
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._known)
@@ -146,12 +147,3 @@ def fingerprint(tensors: Sequence[torch.Tensor], memo: DigestMemo | None = None)
         assert d is not None
         h.update(d)
     return h.hexdigest()[:40]
-
-
-
-_SHARED = DigestMemo()
-
-
-def shared_memo() -> DigestMemo:
-    """The process-wide digest memo (safe to share: entries are checked against the live tensor)."""
-    return _SHARED

@@ -124,3 +124,16 @@ def test_cache_entry_written_in_this_format_is_trusted_and_older_ones_are_not(tm
     meta["format"] = 1
     (entry.path / "meta.json").write_text(json.dumps(meta))
     assert ModelCache(tmp_path)._verify(entry.path) == "unknown entry format"
+
+
+def test_weight_digests_belong_to_the_backend_and_reset_clears_them():
+    model = small_cnn().eval()
+    backend = OVBackend({"precision": "f32"})
+    other = OVBackend({"precision": "f32"})
+    assert backend.digests is not other.digests
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(1, 3, 16, 16))
+    assert len(backend.digests) == len(list(model.parameters())) + len(list(model.buffers()))
+    assert len(other.digests) == 0
+    backend.reset()
+    assert len(backend.digests) == 0

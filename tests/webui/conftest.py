@@ -1,13 +1,9 @@
-"""Fixtures: the fake A1111 host in ``sys.modules``, a tiny loaded checkpoint, the backend API.
-
-The backend is the real ov_backend; ``OV_WEBUI_TESTS_BACKEND=standin`` swaps in an eager stand-in with
-the same surface (only for working on the adapter while the backend is unfinished).
-"""
+"""Fixtures: the fake A1111 host in ``sys.modules``, a tiny loaded checkpoint, the backend API (the real
+ov_backend)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,10 +75,6 @@ def session_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNam
 @pytest.fixture(scope="session")
 def backend_api() -> Any:
     """The backend API the extension uses in tests."""
-    if os.environ.get("OV_WEBUI_TESTS_BACKEND") == "standin":
-        from standin_backend import standin_api
-
-        return standin_api()
     from ov_accelerate_webui.backend_bridge import load_backend
 
     return load_backend()
