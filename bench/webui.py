@@ -18,6 +18,7 @@ import itertools
 import logging
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ from typing import Any, NamedTuple
 
 from bench import webui_report
 from bench.webui_host import BenchWebUI, write_kohya_lora
-from tests.real_webui.webui import CHECKPOINT_A, CHECKPOINT_B, SCRIPT_NAME, testbed_ready, testbed_root
+from tests.real_webui.webui import CHECKPOINT_A, CHECKPOINT_B, EXTENSION_NAME, SCRIPT_NAME, testbed_ready, testbed_root
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +247,14 @@ def prepare(config: WebUIBenchSettings, work: Path) -> tuple[BenchWebUI, tuple[s
     return ui, FULL_CHECKPOINTS, FULL_LORA
 
 
+def extension_commit(ui: BenchWebUI) -> str:
+    """The commit the WebUI runs: the clone's HEAD (the checkout's working tree may differ from it)."""
+    folder = ui.data_dir / "extensions" / EXTENSION_NAME
+    head = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=False).stdout.strip()
+    return head or "working tree (no clone)"
+
+
 def available_gib() -> float:
     with open("/proc/meminfo", encoding="ascii") as f:
         for line in f:
@@ -298,6 +307,7 @@ def main(argv: Sequence[str]) -> int:
     ui = None
     try:
         ui, checkpoints, lora = prepare(config, work)
+        header["extension_commit"] = extension_commit(ui)
         results = Scenario(config, ui, checkpoints, lora, write).run()
     finally:
         if ui is not None:

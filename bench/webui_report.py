@@ -85,7 +85,8 @@ def _machine_lines(results: dict[str, Any]) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in machine.get("versions", {}).items())
     return [
         f"- Command: `{results['command']}` (started {results['started']})",
-        f"- Commit: {machine.get('git_commit', '?')}; extension installed as a {results['extension_source']}",
+        f"- Commit: the WebUI ran the extension at {results.get('extension_commit', '?')} "
+        f"({results['extension_source']}); the bench ran from {machine.get('git_commit', '?')}",
         f"- CPU: {machine.get('Model name', '?')}, {machine.get('cpus')} logical CPUs; {isa}; "
         f"OpenVINO CPU device: {cpu.get('openvino_device')}",
         f"- Memory: {machine.get('memory_gib')} GiB, {results['available_gib_at_start']} GiB available at the "
