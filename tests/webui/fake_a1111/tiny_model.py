@@ -81,12 +81,24 @@ def build_clip(seed: int, hidden: int) -> CLIPTextModel:
         bos_token_id=BOS,
         eos_token_id=EOS,
     )
-    return CLIPTextModel(config)
+    model = CLIPTextModel(config)
+    _trained_layer_norm_bias(model.text_model.final_layer_norm)
+    return model
 
 
 def build_open_clip(seed: int, width: int) -> CLIPText:
     torch.manual_seed(seed + 3)
-    return CLIPText(vocab_size=VOCAB, width=width, layers=2, heads=2, embed_dim=POOLED)
+    model = CLIPText(vocab_size=VOCAB, width=width, layers=2, heads=2, embed_dim=POOLED)
+    _trained_layer_norm_bias(model.ln_final)
+    return model
+
+
+def _trained_layer_norm_bias(norm: nn.LayerNorm) -> None:
+    """A trained text encoder's last layer norm has a bias, so its output's mean is not 0; at init (bias 0)
+    every token's vector has mean 0, and A1111's emphasis (rescaling by the old mean over the new) divides
+    by that mean."""
+    with torch.no_grad():
+        norm.bias.normal_(0.1, 0.05)
 
 
 class LdmUNet(nn.Module):

@@ -20,6 +20,13 @@ model's text encoder, UNet and VAE the way A1111 v1.10.1's does:
   ``shared.sd_model``, and each batch starts with ``reload_model_weights()`` (back to the selected model);
 * live previews: ``store_latent`` after each step (``sd_samplers_common``);
 * one VAE decode per image (``decode_latent_batch``), infotext per image, batch count loop;
+* A1111's NaN check (``devices.test_for_nans``): the sampled latent ("unet") and each decoded image ("vae");
+* ``override_settings``: applied to ``opts`` before the generation; ``sd_model_checkpoint`` among them
+  loads that checkpoint (``reload_model_weights``, with its ``model_loaded`` callbacks); the old values
+  are put back afterwards when ``override_settings_restore_afterwards`` (the model itself changes back at
+  the next generation's start, as in A1111);
+* the always-on scripts' hooks (``p.scripts``: before_process, process, before_process_batch,
+  process_batch, postprocess_batch, postprocess), each with its slice of ``p.script_args``;
 * A1111's conditioning cache (``cached_c``/``cached_uc``, class attributes shared by every ``p``, filled
   by ``get_conds_with_caching``) when a test sets ``StableDiffusionProcessing.use_cond_cache``.
 """
@@ -34,7 +41,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from modules import script_callbacks, sd_models, sd_samplers_common, shared
+from modules import devices, script_callbacks, sd_models, sd_samplers_common, shared
 from modules.infotext_utils import quote
 
 OPT_F = 8
@@ -55,6 +62,7 @@ class StableDiffusionProcessing:
 
     cached_uc: list = [None, None]
     cached_c: list = [None, None]
+    override_settings_restore_afterwards = True
     use_cond_cache = False
     """A1111 always caches the last prompts' conds (``opts.persistent_cond_cache``, on by default, keeps
     them across generations); the fake does only when this is set, so that tests counting text encoder
@@ -250,7 +258,7 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         image_conditioning = self.txt2img_image_conditioning(samples, width, height)
         samples = denoise(self, samples + hr_noise, steps, self.denoising_strength, image_conditioning)
         self.is_hr_pass = False
-        return DecodedList(decode_latent_batch(shared.sd_model, samples))
+        return DecodedList(decode_latent_batch(shared.sd_model, samples, check_for_nans=True))
 
 
 class StableDiffusionProcessingImg2Img(StableDiffusionProcessing):
@@ -367,13 +375,21 @@ def denoise(p: Any, x: torch.Tensor, steps: int, strength: float, image_cond: to
     return x
 
 
-def decode_latent_batch(model: Any, batch: torch.Tensor) -> list[torch.Tensor]:
-    """One VAE decode per image, as A1111 does."""
-    return [model.decode_first_stage(batch[i : i + 1])[0] for i in range(batch.shape[0])]
+def decode_latent_batch(model: Any, batch: torch.Tensor, check_for_nans: bool = False) -> list[torch.Tensor]:
+    """One VAE decode per image, as A1111 does (with ``check_for_nans``: the latent and each image checked)."""
+    if check_for_nans:
+        devices.test_for_nans(batch, "unet")
+    decoded = []
+    for i in range(batch.shape[0]):
+        decoded.append(model.decode_first_stage(batch[i : i + 1])[0])
+        if check_for_nans:
+            devices.test_for_nans(decoded[-1], "vae")
+    return decoded
 
 
 class Processed:
-    """Mirrors A1111's Processed constructor."""
+    """Mirrors A1111's Processed constructor and ``js()`` (the ``info`` JSON of the API reply; it has no
+    ``comments``: those reach the UI as ``Processed.comments`` only)."""
 
     def __init__(
         self,
@@ -392,28 +408,63 @@ class Processed:
     ) -> None:
         self.images = images_list
         self.prompt, self.negative_prompt = p.prompt, p.negative_prompt
-        self.seed, self.info, self.width, self.height = seed, info, p.width, p.height
+        self.seed, self.subseed, self.info = seed, -1 if subseed is None else subseed, info
+        self.subseed_strength = p.subseed_strength
+        self.width, self.height = p.width, p.height
+        self.sampler_name, self.cfg_scale = p.sampler_name, p.cfg_scale
+        self.steps, self.batch_size = p.steps, p.batch_size
+        self.sd_model_name, self.sd_model_hash = p.sd_model_name, p.sd_model_hash
+        self.denoising_strength = getattr(p, "denoising_strength", None)
         self.all_prompts = all_prompts or [p.prompt]
+        self.all_negative_prompts = all_negative_prompts or [p.negative_prompt]
         self.all_seeds = all_seeds or [seed]
-        self.infotexts = infotexts or [info]
+        self.all_subseeds = all_subseeds or [self.subseed]
+        self.infotexts = infotexts or [info] * len(images_list)
         self.comments = "".join(f"{comment}\n" for comment in p.comments)
         self.index_of_first_image = index_of_first_image
         self.extra_generation_params = p.extra_generation_params
+        self.clip_skip = shared.opts.CLIP_stop_at_last_layers
+        conditioning_key = getattr(getattr(shared.sd_model, "model", None), "conditioning_key", None)
+        self.is_using_inpainting_conditioning = conditioning_key in {"hybrid", "concat"}
 
     def js(self) -> str:
-        """The ``info`` JSON of the API response."""
-        return json.dumps(
-            {
-                "prompt": self.prompt,
-                "seed": self.seed,
-                "all_seeds": self.all_seeds,
-                "width": self.width,
-                "height": self.height,
-                "extra_generation_params": self.extra_generation_params,
-                "infotexts": self.infotexts,
-                "comments": self.comments,
-            }
-        )
+        """The ``info`` JSON of the API response: A1111 v1.10.1's keys (fields the fake does not model are
+        null, as A1111 writes an unset one)."""
+        obj = {
+            "prompt": self.all_prompts[0],
+            "all_prompts": self.all_prompts,
+            "negative_prompt": self.all_negative_prompts[0],
+            "all_negative_prompts": self.all_negative_prompts,
+            "seed": self.seed,
+            "all_seeds": self.all_seeds,
+            "subseed": self.subseed,
+            "all_subseeds": self.all_subseeds,
+            "subseed_strength": self.subseed_strength,
+            "width": self.width,
+            "height": self.height,
+            "sampler_name": self.sampler_name,
+            "cfg_scale": self.cfg_scale,
+            "steps": self.steps,
+            "batch_size": self.batch_size,
+            "restore_faces": False,
+            "face_restoration_model": None,
+            "sd_model_name": self.sd_model_name,
+            "sd_model_hash": self.sd_model_hash,
+            "sd_vae_name": None,
+            "sd_vae_hash": None,
+            "seed_resize_from_w": -1,
+            "seed_resize_from_h": -1,
+            "denoising_strength": self.denoising_strength,
+            "extra_generation_params": self.extra_generation_params,
+            "index_of_first_image": self.index_of_first_image,
+            "infotexts": self.infotexts,
+            "styles": [],
+            "job_timestamp": None,
+            "clip_skip": self.clip_skip,
+            "is_using_inpainting_conditioning": self.is_using_inpainting_conditioning,
+            "version": "v1.10.1",
+        }
+        return json.dumps(obj, default=lambda o: None)
 
 
 def create_infotext(p: Any, prompt: str, seed: int) -> str:
@@ -440,9 +491,29 @@ def apply_overlay(image: Image.Image, index: int, overlays: list | None) -> Imag
 
 
 def process_images(p: Any) -> Processed:
-    """Runs the whole pipeline, as A1111's ``process_images`` does."""
+    """Runs the whole pipeline, as A1111's ``process_images`` does: ``override_settings`` around it."""
+    if p.scripts is not None:
+        p.scripts.before_process(p)
+    opts = shared.opts
+    stored_opts = {k: opts.data[k] for k in p.override_settings if k in opts.data}
+    try:
+        # An unknown checkpoint override is dropped; without one the selected model is loaded (back)
+        if sd_models.checkpoint_aliases.get(p.override_settings.get("sd_model_checkpoint")) is None:
+            p.override_settings.pop("sd_model_checkpoint", None)
+            sd_models.reload_model_weights()
+        for key, value in p.override_settings.items():
+            opts.data[key] = value  # opts.set(..., run_callbacks=False)
+            if key == "sd_model_checkpoint":
+                sd_models.reload_model_weights()
+        return process_images_inner(p)
+    finally:
+        if p.override_settings_restore_afterwards:
+            for key, value in stored_opts.items():
+                opts.data[key] = value
+
+
+def process_images_inner(p: Any) -> Processed:
     state = shared.state
-    sd_models.reload_model_weights()  # back to the selected model (a refiner may still be loaded)
     if p.refiner_checkpoint not in (None, "", "None", "none"):
         p.refiner_checkpoint_info = sd_models.get_closet_checkpoint_match(p.refiner_checkpoint)
         if p.refiner_checkpoint_info is None:
@@ -456,6 +527,8 @@ def process_images(p: Any) -> Processed:
     images: list[Image.Image] = []
     infotexts: list[str] = []
     samples_255: list[np.ndarray] = []  # test-only: each image before 8-bit rounding (0..255 floats)
+    if p.scripts is not None:
+        p.scripts.process(p)
     with torch.no_grad():
         p.init(all_seeds)
         for n in range(p.n_iter):
@@ -467,12 +540,20 @@ def process_images(p: Any) -> Processed:
             sd_models.reload_model_weights()  # "model can be changed for example by refiner"
             seeds = all_seeds[n * p.batch_size : (n + 1) * p.batch_size]
             p.prompts, p.negative_prompts = [p.prompt] * p.batch_size, [p.negative_prompt] * p.batch_size
+            batch_args = {"batch_number": n, "prompts": p.prompts, "seeds": seeds, "subseeds": seeds}
+            if p.scripts is not None:
+                p.scripts.before_process_batch(p, **batch_args)
             p.setup_conds()
+            if p.scripts is not None:
+                p.scripts.process_batch(p, **batch_args)
             samples = p.sample(shared.sd_model, seeds)
             if getattr(samples, "already_decoded", False):
                 decoded = samples
             else:
-                decoded = decode_latent_batch(p.sd_model, samples)
+                devices.test_for_nans(samples, "unet")
+                decoded = decode_latent_batch(p.sd_model, samples, check_for_nans=True)
+            if p.scripts is not None:
+                p.scripts.postprocess_batch(p, decoded, batch_number=n)
             for i, s in enumerate(seeds):
                 exact = ((decoded[i].float().clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0)
                 samples_255.append(exact.double().numpy())
@@ -484,4 +565,6 @@ def process_images(p: Any) -> Processed:
         p, images, seed=seed, info=infotexts[0] if infotexts else "", all_seeds=all_seeds, infotexts=infotexts
     )
     processed.samples_255 = samples_255
+    if p.scripts is not None:
+        p.scripts.postprocess(p, processed)
     return processed

@@ -1,8 +1,13 @@
 """Fake ``modules.sd_hijack_clip``: A1111's prompt chunking around the transformers CLIP text encoders.
 
-Mirrors v1.10.1: a prompt is split into chunks of 75 tokens, each chunk gets start/end tokens (77),
-``encode_with_transformers`` is called once per chunk and the results are concatenated along the
-token axis (77, 154, ... tokens). Before each chunk's call ``hijack.fixes`` is set to the chunk's
+Mirrors v1.10.1: a prompt is parsed for emphasis (``(word:1.5)``, ``(word)``, ``[word]``, ``BREAK``;
+the SD layer's ``parse_prompt_attention`` stands in for ``prompt_parser``'s) unless ``opts.emphasis`` is
+"None", each token gets its piece's weight, a ``BREAK`` starts a new chunk; the tokens are split into
+chunks of 75, each chunk gets start/end tokens (77, weight 1.0), ``encode_with_transformers`` is called
+once per chunk, the emphasis is applied to its output ("Original", the default: each token's vector
+times its weight, then the whole chunk rescaled by original mean / new mean; "No norm": without the
+rescale; "Ignore": weights unused) and the results are concatenated along the token axis (77, 154, ...
+tokens). Before each chunk's call ``hijack.fixes`` is set to the chunk's
 textual-inversion fixes (offset in the chunk, Embedding); an embedding takes ``vectors`` placeholder
 tokens and moves to the next chunk when it does not fit. SD1 calls ``wrapped.transformer(input_ids=...,
 output_hidden_states=-CLIP_stop_at_last_layers)``; SDXL's CLIP-L calls it with
@@ -19,15 +24,17 @@ import torch
 from torch import nn
 
 from modules import shared
+from ov_accelerate_sd.prompts import parse_prompt_attention
 
 PromptChunkFix = namedtuple("PromptChunkFix", ["offset", "embedding"])
 
 
 class PromptChunk:
-    """75 tokens (77 with start and end) and the textual-inversion fixes inside them."""
+    """75 tokens (77 with start and end), their weights and the textual-inversion fixes inside them."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.multipliers: list[float] = []
         self.fixes: list[PromptChunkFix] = []
 
 
@@ -60,20 +67,28 @@ class FrozenCLIPEmbedderWithCustomWordsBase(nn.Module):
             nonlocal chunk
             to_add = self.chunk_length - len(chunk.tokens)
             chunk.tokens = [self.id_start, *chunk.tokens, *([self.id_end] * (to_add + 1))]
+            chunk.multipliers = [1.0, *chunk.multipliers, *([1.0] * (to_add + 1))]
             chunks.append(chunk)
             chunk = PromptChunk()
 
-        for text, embedding in self.hijack.embedding_db.split(line):
-            if embedding is None:
-                for token in self.tokenize([text])[0]:
-                    if len(chunk.tokens) == self.chunk_length:
-                        next_chunk()
-                    chunk.tokens.append(token)
-                continue
-            if len(chunk.tokens) + embedding.vectors > self.chunk_length:
+        parsed = parse_prompt_attention(line) if shared.opts.emphasis != "None" else [(line, 1.0)]
+        for piece, weight in parsed:
+            if piece == "BREAK" and weight == -1:
                 next_chunk()
-            chunk.fixes.append(PromptChunkFix(len(chunk.tokens), embedding))
-            chunk.tokens += [0] * embedding.vectors
+                continue
+            for text, embedding in self.hijack.embedding_db.split(piece):
+                if embedding is None:
+                    for token in self.tokenize([text])[0]:
+                        if len(chunk.tokens) == self.chunk_length:
+                            next_chunk()
+                        chunk.tokens.append(token)
+                        chunk.multipliers.append(weight)
+                    continue
+                if len(chunk.tokens) + embedding.vectors > self.chunk_length:
+                    next_chunk()
+                chunk.fixes.append(PromptChunkFix(len(chunk.tokens), embedding))
+                chunk.tokens += [0] * embedding.vectors
+                chunk.multipliers += [weight] * embedding.vectors
         if chunk.tokens or not chunks:
             next_chunk()
         return chunks
@@ -81,6 +96,7 @@ class FrozenCLIPEmbedderWithCustomWordsBase(nn.Module):
     def empty_chunk(self) -> PromptChunk:
         chunk = PromptChunk()
         chunk.tokens = [self.id_start] + [self.id_end] * (self.chunk_length + 1)
+        chunk.multipliers = [1.0] * (self.chunk_length + 2)
         return chunk
 
     def forward(self, texts: list[str]) -> Any:
@@ -89,25 +105,37 @@ class FrozenCLIPEmbedderWithCustomWordsBase(nn.Module):
         for i in range(max(len(c) for c in batch_chunks)):
             batch_chunk = [chunks[i] if i < len(chunks) else self.empty_chunk() for chunks in batch_chunks]
             self.hijack.fixes = [x.fixes for x in batch_chunk]
-            zs.append(self.process_tokens([x.tokens for x in batch_chunk]))
+            zs.append(self.process_tokens([x.tokens for x in batch_chunk], [x.multipliers for x in batch_chunk]))
         if getattr(self.wrapped, "return_pooled", False):
             return torch.hstack(zs), zs[0].pooled
         return torch.hstack(zs)
 
-    def process_tokens(self, remade_batch_tokens: list[list[int]]) -> torch.Tensor:
+    def process_tokens(
+        self, remade_batch_tokens: list[list[int]], batch_multipliers: list[list[float]]
+    ) -> torch.Tensor:
         tokens = torch.asarray(remade_batch_tokens)
         if self.id_end != self.id_pad:  # SD2/SDXL-G: pad with id_pad after the first end token
             for pos, row in enumerate(remade_batch_tokens):
                 tokens[pos, row.index(self.id_end) + 1 :] = self.id_pad
         z = self.encode_with_transformers(tokens)
         pooled = getattr(z, "pooled", None)
-        z = z * 1.0  # emphasis with all multipliers 1.0 (A1111's "Original" emphasis keeps the mean)
+        z = apply_emphasis(z, torch.asarray(batch_multipliers, dtype=z.dtype), shared.opts.emphasis)
         if pooled is not None:
             z.pooled = pooled
         return z
 
     def encode_with_transformers(self, tokens: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+def apply_emphasis(z: torch.Tensor, multipliers: torch.Tensor, emphasis: str) -> torch.Tensor:
+    """A chunk's encoder output ``z`` (B, 77, C) weighted by ``multipliers`` (B, 77) as ``emphasis`` says."""
+    if emphasis in ("None", "Ignore"):
+        return z
+    weighted = z * multipliers[..., None]
+    if emphasis == "No norm":
+        return weighted
+    return weighted * (z.mean() / weighted.mean())  # "Original": the mean over the whole chunk kept
 
 
 class FrozenCLIPEmbedderWithCustomWords(FrozenCLIPEmbedderWithCustomWordsBase):

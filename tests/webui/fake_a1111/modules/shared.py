@@ -40,6 +40,7 @@ class OptionInfo:
 DEFAULTS: dict[str, Any] = {
     "sd_model_checkpoint": None,
     "CLIP_stop_at_last_layers": 1,
+    "emphasis": "Original",
     "sd_checkpoints_limit": 1,
     "inpainting_mask_weight": 1.0,
     "live_previews_enable": True,
@@ -78,4 +79,4 @@ state = shared_state.State()
 sd_model: Any = None
 #: False with --lowvram/--medvram: live previews are then decoded in the generation thread.
 parallel_processing_allowed = True
-cmd_opts = types.SimpleNamespace(api=False, skip_install=False)
+cmd_opts = types.SimpleNamespace(api=False, skip_install=False, disable_nan_check=False)

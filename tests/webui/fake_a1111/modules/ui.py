@@ -1,9 +1,10 @@
 """Fake ``modules.ui``: one generation tab built in A1111 v1.10.1's order, for panel tests.
 
-The prompt row with the Generate button comes first, then the scripts (dropdown ``script_list`` and
-each script's ``ui()``), then the output panel (``generation_info_<tab>``, ``html_info_<tab>``,
-``html_log_<tab>``, see ``ui_common.create_output_panel``). While it is built, gradio's
-``IOComponent.__init__`` is patched as ``modules/scripts.py`` does, so each script's
+The prompt row with the Generate button comes first, then the always-on scripts of the sections before
+the scripts, the scripts (always-on ones of no section, dropdown ``script_list`` and each dropdown
+script's ``ui()``), the always-on scripts of the "scripts" section, then the output panel
+(``generation_info_<tab>``, ``html_info_<tab>``, ``html_log_<tab>``, see ``ui_common.create_output_panel``).
+While it is built, gradio's ``IOComponent.__init__`` is patched as ``modules/scripts.py`` does, so each script's
 ``after_component(component, **kwargs)`` sees every component. Generate runs ``modules.txt2img``'s
 body: a processing object, ``runner.run(p, *args)`` or ``process_images(p)``, and returns the info
 JSON, the infotext and comments as HTML (what ``html_info`` shows), and a log line.
@@ -42,6 +43,11 @@ def component_hooks(runner: scripts.ScriptRunner) -> Iterator[None]:
         gr.components.IOComponent.__init__ = original
 
 
+#: A1111's UI categories laid out before the "scripts" one (``shared_items.ui_reorder_categories``, the
+#: ones always-on scripts use): their always-on scripts' controls come before the dropdown's in ``inputs``.
+UI_SECTIONS_BEFORE_SCRIPTS = ("sampler", "dimensions", "cfg", "seed")
+
+
 def plaintext_to_html(text: str) -> str:
     return "<p>" + "<br>\n".join(html.escape(x) for x in text.split("\n")) + "</p>"
 
@@ -65,12 +71,16 @@ def create_tab(runner: scripts.ScriptRunner) -> gr.Blocks:
         submit = gr.Button("Generate", elem_id=f"{tab}_generate")
         with gr.Row(elem_id=f"{tab}_tools"):
             paste = gr.Button("\u2199\ufe0f", elem_id="paste")
+        runner.prepare_ui()
+        for section in UI_SECTIONS_BEFORE_SCRIPTS:  # always-on scripts placed in these sections
+            runner.setup_ui_for_section(section)
         titles = [s.title() for s in runner.selectable_scripts]
         dropdown = gr.Dropdown(
             label="Script", elem_id="script_list", choices=["None", *titles], value=titles[0], type="index"
         )
         inputs = runner.setup_ui()
         inputs[0] = dropdown
+        runner.setup_ui_for_section("scripts")  # after the dropdown scripts' controls, as in A1111
         runner.infotext_fields.append((dropdown, lambda x: gr.update(value=x.get("Script", "None"))))
         fields = [(prompt, "Prompt"), *runner.infotext_fields]
         infotext_utils.add_paste_fields(tab, None, fields)

@@ -2,9 +2,11 @@
 
 ``POST /sdapi/v1/txt2img`` / ``img2img`` with ``script_name`` (matched case-insensitively against the
 dropdown scripts' titles) and ``script_args`` (positional, in ``ui()`` order) run the script as
-``Api.text2imgapi`` does: the default script args (the UI components' values) with the request's
-``script_args`` put in the script's slice (``init_script_args``), the queue lock held,
-``shared.state.begin``/``end`` around ``scripts_txt2img.run(p, *script_args)``.
+``Api.text2imgapi`` does: one list of every script's args (the UI components' values, always-on
+scripts' included) with the request's ``script_args`` put in the chosen script's slice and
+``alwayson_scripts`` args in theirs (``init_script_args``), the queue lock held,
+``shared.state.begin``/``end`` around ``scripts_txt2img.run(p, *script_args)``. The reply's ``info`` is
+``Processed.js()``.
 """
 
 from __future__ import annotations
@@ -53,11 +55,34 @@ class Api:
         return runner.selectable_scripts[index], index
 
     @staticmethod
-    def init_script_args(request: dict, runner: scripts.ScriptRunner, script: Any, index: int | None) -> list:
-        script_args = [None] + [getattr(c, "value", None) for c in runner.inputs[1:]]
+    def init_default_script_args(runner: scripts.ScriptRunner) -> list:
+        """One list for every script's args (up to the largest ``args_to``), each script's slice holding
+        its components' values and ``[0]`` (the dropdown) 0, as A1111 builds it once the UI exists."""
+        script_args: list = [None] * max([1, *(s.args_to for s in runner.scripts)])
+        script_args[0] = 0
+        for script in runner.scripts:
+            if script.controls:
+                script_args[script.args_from : script.args_to] = [getattr(c, "value", None) for c in script.controls]
+        return script_args
+
+    def init_script_args(self, request: dict, runner: scripts.ScriptRunner, script: Any, index: int | None) -> list:
+        """The request's ``script_args`` replace the chosen script's slice (a list of another length moves
+        the arguments of the scripts after it, as in A1111); ``alwayson_scripts`` {title: {"args": [...]}}
+        set the start of an always-on script's slice."""
+        script_args = self.init_default_script_args(runner)
         if script is not None:
             script_args[script.args_from : script.args_to] = request.get("script_args", [])
             script_args[0] = index + 1
+        for name, entry in (request.get("alwayson_scripts") or {}).items():
+            alwayson = next((s for s in runner.scripts if s.title().lower() == name.lower()), None)
+            if alwayson is None:
+                raise HTTPException(status_code=422, detail=f"always on script {name} not found")
+            if not alwayson.alwayson:
+                detail = "Cannot have a selectable script in the always on scripts params"
+                raise HTTPException(status_code=422, detail=detail)
+            args = entry.get("args", [])
+            for i in range(min(alwayson.args_to - alwayson.args_from, len(args))):
+                script_args[alwayson.args_from + i] = args[i]
         return script_args
 
     def _run(self, request: dict, runner: scripts.ScriptRunner, p: Any) -> dict:
@@ -95,24 +120,29 @@ class Api:
         return self._run(request, scripts.scripts_img2img, p)
 
     def get_scripts_list(self) -> dict:
+        """The lower-cased titles of all scripts that have controls (always-on ones too)."""
         return {
-            "txt2img": [s.title().lower() for s in scripts.scripts_txt2img.selectable_scripts],
-            "img2img": [s.title().lower() for s in scripts.scripts_img2img.selectable_scripts],
+            "txt2img": [s.name for s in scripts.scripts_txt2img.scripts if s.name is not None],
+            "img2img": [s.name for s in scripts.scripts_img2img.scripts if s.name is not None],
         }
 
     def get_script_info(self) -> list[dict]:
         res = []
         for runner in (scripts.scripts_txt2img, scripts.scripts_img2img):
-            for script in runner.selectable_scripts:
+            for script in runner.scripts:
+                if script.name is None:
+                    continue
                 args = [
                     {
                         "label": getattr(c, "label", None),
                         "value": getattr(c, "value", None),
                         "choices": getattr(c, "choices", None),
                     }
-                    for c in runner.inputs[script.args_from : script.args_to]
+                    for c in script.controls
                 ]
-                res.append({"name": script.title().lower(), "is_img2img": runner.is_img2img, "args": args})
+                res.append(
+                    {"name": script.name, "is_img2img": runner.is_img2img, "is_alwayson": script.alwayson, "args": args}
+                )
         return json.loads(json.dumps(res, default=str))
 
     def interruptapi(self) -> dict:
