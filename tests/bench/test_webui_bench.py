@@ -15,11 +15,12 @@ import pytest
 
 from bench.__main__ import main
 from bench.webui import RESTART, ROWS
-from tests.real_webui.webui import testbed_ready, testbed_root
+from tests.real_webui import webui as harness  # (its testbed_* names would be collected as tests)
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not testbed_ready(testbed_root()), reason=f"no WebUI test bed in {testbed_root()}"),
+    pytest.mark.skipif(not harness.testbed_ready(harness.testbed_root()),
+                       reason=f"no WebUI test bed in {harness.testbed_root()}"),
 ]
 
 NUMBER = r"\d+(?:\.\d+)?"
