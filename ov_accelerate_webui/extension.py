@@ -100,6 +100,13 @@ class Extension:
         try:
             with session:
                 processed = host.process_images(p)
+        except BaseException as exc:  # A1111's NansException, an Interrupt, any error: the models are restored
+            stopped = (f"The generation stopped with {type(exc).__name__}: {exc}. The WebUI's models were restored; "
+                       f"calls through OpenVINO before it: {session.calls()}.")
+            with self._lock:
+                self.last_status = stopped
+                self._last_run = {"accelerated": False, "status": stopped}
+            raise
         finally:
             with self._lock:
                 self._session = None

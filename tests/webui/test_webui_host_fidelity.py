@@ -267,6 +267,10 @@ def test_nan_from_unet_or_vae_raises_nans_exception_naming_the_part(
         extension.run(make_p(fake_host), dataclasses.replace(f32, vae=False, text_encoder=False))
 
     assert not is_routed(model.model.diffusion_model)
+    # the panel's "Last run" and the status route say the generation stopped, and why
+    report = extension.last_run_report()
+    assert not report["accelerated"] and "NansException" in report["status"] and "restored" in report["status"]
+    assert extension.last_status == report["status"]
     fake_host.shared.cmd_opts.disable_nan_check = True  # --disable-nan-check: the NaN image is returned
     try:
         assert len(fake_host.processing.process_images(make_p(fake_host)).images) == 1
