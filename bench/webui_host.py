@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.real_webui.webui import LAUNCH_FLAGS, WebUI, free_port
+from tests.real_webui.webui import WebUI
 
 logger = logging.getLogger(__name__)
 
@@ -62,28 +59,6 @@ class BenchWebUI(WebUI):
             target = folder / source.name
             if not target.exists():
                 target.symlink_to(source.resolve())
-
-    def start(self, timeout: float = 900) -> None:
-        """Start the WebUI on :attr:`checkpoint` (the harness's own ``start`` always loads the tiny model)."""
-        self.port = free_port()
-        self.starts += 1
-        self.log_path = self.log_dir / f"webui-{self.starts}.log"
-        cmd = [str(self.python), "launch.py", *LAUNCH_FLAGS, "--port", str(self.port), "--data-dir",
-               str(self.data_dir), "--ckpt", str(self.data_dir / "models" / "Stable-diffusion" / self.checkpoint)]
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(cmd, cwd=self.webui, env=self.env(), stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        t0 = time.time()
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the WebUI exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/sdapi/v1/sd-models", timeout=10):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                if time.time() - t0 > timeout:
-                    raise RuntimeError(f"the WebUI did not answer in {timeout} s:\n{self.log_tail()}") from None
-                time.sleep(2)
 
     # --- measurements ------------------------------------------------------------------------------
     def timed_generate(self, payload: dict[str, Any]) -> Timed:

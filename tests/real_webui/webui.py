@@ -104,6 +104,8 @@ class WebUI:
         self.port = 0
         self.starts = 0
         self.log_path: Path | None = None
+        self.checkpoint = CHECKPOINT_A
+        """The checkpoint the WebUI loads at start (``--ckpt``), a file in the data folder's models."""
 
     # --- set-up ------------------------------------------------------------------------------------
     def prepare(self, extra_extensions: list[Path]) -> None:
@@ -174,7 +176,7 @@ class WebUI:
             "--data-dir",
             str(self.data_dir),
             "--ckpt",
-            str(self.data_dir / "models" / "Stable-diffusion" / CHECKPOINT_A),
+            str(self.data_dir / "models" / "Stable-diffusion" / self.checkpoint),
         ]
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
