@@ -271,7 +271,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", nargs=3, type=parse_size, metavar="WxH",
                    help="first, second and third size (default 512x512 512x384 384x512; tiny 64x64 96x64 64x96)")
     p.add_argument("--batch", type=int, help="batch size of the batch row (default 4)")
-    p.add_argument("--testbed", type=Path, help="the test bed (default $A1111_ROOT or .testbed/a1111)")
+    p.add_argument("--testbed", type=Path, help="the test bed (default $A1111_ROOT or build/a1111-testbed)")
     p.add_argument("--out", type=Path, help="folder of the results (default bench/results)")
     p.add_argument("--name", help="file name stem (default webui-<date>, or webui-tiny-<date>)")
     p.add_argument("--work-dir", type=Path, help="keep the WebUI's data folder and logs here (default: temporary)")

@@ -40,6 +40,9 @@ def page(webui: WebUI) -> Iterator[Any]:
         WebDriverWait(driver, 300).until(lambda d: d.execute_script(
             "return !!document.querySelector('#txt2img_prompt textarea') && !!document.getElementById('"
             + PANEL + "_panel')"))
+        # the WebUI's own page scripts loaded (gradio answers 403 for files it will not serve)
+        WebDriverWait(driver, 60).until(lambda d: d.execute_script(
+            "return typeof submit === 'function' && typeof onUiLoaded === 'function'"))
         yield driver
     finally:
         driver.quit()

@@ -2,7 +2,7 @@
 start and stop the WebUI, call its HTTP API, compare pictures.
 
 The test bed is built by ``../shared/a1111/build-testbed.sh`` (``.ci/testbed`` calls it) into
-``$A1111_ROOT`` (default ``.testbed/a1111`` in the checkout). Each test session gets its own WebUI
+``$A1111_ROOT`` (default ``build/a1111-testbed`` in the checkout). Each test session gets its own WebUI
 data folder (``--data-dir``: models, extensions, config, outputs), so the shared test bed is never
 changed.
 """
@@ -47,7 +47,7 @@ LAUNCH_FLAGS = [
 
 
 def testbed_root() -> Path:
-    return Path(os.environ.get("A1111_ROOT") or ROOT / ".testbed" / "a1111")
+    return Path(os.environ.get("A1111_ROOT") or ROOT / "build" / "a1111-testbed")
 
 
 def testbed_ready(root: Path) -> bool:
