@@ -38,8 +38,7 @@ class Extension:
         self._api: BackendApi | None = None
         self._accelerator: Accelerator | None = None
         self.ready = ReadySizes()
-        self.last_status = "No generation with OpenVINO yet."
-        self._last_run: dict[str, Any] = {"accelerated": False, "status": self.last_status}
+        self._last_run: dict[str, Any] = {"accelerated": False, "status": "No generation with OpenVINO yet."}
         self._session: RoutingSession | None = None
 
     # --- backend -------------------------------------------------------------------------------
@@ -103,32 +102,21 @@ class Extension:
         except BaseException as exc:  # A1111's NansException, an Interrupt, any error: the models are restored
             stopped = (f"The generation stopped with {type(exc).__name__}: {exc}. The WebUI's models were restored; "
                        f"calls through OpenVINO before it: {session.calls()}.")
-            with self._lock:
-                self.last_status = stopped
-                self._last_run = {"accelerated": False, "status": stopped}
+            self._set_last_run({"accelerated": False, "status": stopped})
             raise
         finally:
             with self._lock:
                 self._session = None
         calls, eager = session.calls(), session.eager()
-        status = run_status(
-            settings,
-            calls,
-            accelerator.reports_since(prepared),
-            accelerator.stats_since(prepared),
-            switches=session.events,
-            eager=eager,
-            f32=session.f32(),
-        )
+        reports, stats = accelerator.reports_since(prepared), accelerator.stats_since(prepared)
+        status = run_status(settings, calls, reports, stats, switches=session.events, eager=eager, f32=session.f32())
         lora_changes = accelerator.lora_changes()
         if lora_changes:
-            status += "\n" + changes_line(lora_changes, accelerator.reports_since(prepared))
+            status += "\n" + changes_line(lora_changes, reports)
         logger.info("%s", status)
         if eager:
             logger.warning("Accelerate with OpenVINO: %s", backend_module("graph_runs").describe_eager(eager, calls))
-        self.last_status = status
-        self._record_run(status, settings, calls, eager, accelerator.stats_since(prepared),
-                         accelerator.reports_since(prepared), session.events, lora_changes)
+        self._set_last_run(_run_report(status, settings, calls, eager, stats, reports, session.events, lora_changes))
         if not host.state().interrupted:
             for checkpoint in session.checkpoints():
                 self._record_sizes(p, checkpoint, settings)
@@ -141,43 +129,21 @@ class Extension:
         comment = getattr(p, "comment", None)
         if comment is not None:
             comment(message)
-        self.last_status = message
-        with self._lock:
-            self._last_run = {"accelerated": False, "status": message}
+        self._set_last_run({"accelerated": False, "status": message})
         processed = host.process_images(p)
         if processed is not None and message not in (getattr(processed, "comments", "") or ""):
             processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + message).strip()
         return processed
 
-    def _record_run(
-        self,
-        status: str,
-        settings: AccelerateSettings,
-        calls: dict[str, int],
-        eager: dict[str, tuple[int, str]],
-        stats: dict[str, float],
-        reports: list[Any],
-        switches: list[str],
-        lora_changes: list[tuple[str, str]],
-    ) -> None:
-        fallbacks: dict[str, str] = {}
-        for report in reports:
-            fallbacks.update(report.fallback_ops)
-        run = {
-            "accelerated": True,
-            "status": status,
-            "settings": settings.infotext(),
-            "calls": dict(calls),
-            "eager": {label: {"calls": n, "why": why} for label, (n, why) in eager.items()},
-            "compiles": len(reports),
-            "fallback_ops": fallbacks,
-            "switches": list(switches),
-            "lora_changes": {label: networks for label, networks in lora_changes},
-            **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
-                                                   "run_seconds")},
-        }
+    def _set_last_run(self, run: dict[str, Any]) -> None:
         with self._lock:
             self._last_run = run
+
+    @property
+    def last_status(self) -> str:
+        """The last generation's status text (the panel's "Last run", the comment under the images)."""
+        with self._lock:
+            return str(self._last_run["status"])
 
     def last_run_report(self) -> dict[str, Any]:
         """The last generation's status as data (what the HTTP status route returns)."""
@@ -273,3 +239,32 @@ class Extension:
 
 def _set_textinfo(text: str | None) -> None:
     host.state().textinfo = text
+
+
+def _run_report(
+    status: str,
+    settings: AccelerateSettings,
+    calls: dict[str, int],
+    eager: dict[str, tuple[int, str]],
+    stats: dict[str, float],
+    reports: list[Any],
+    switches: list[str],
+    lora_changes: list[tuple[str, str]],
+) -> dict[str, Any]:
+    """The status route's data for a run that went through OpenVINO."""
+    fallbacks: dict[str, str] = {}
+    for report in reports:
+        fallbacks.update(report.fallback_ops)
+    return {
+        "accelerated": True,
+        "status": status,
+        "settings": settings.infotext(),
+        "calls": dict(calls),
+        "eager": {label: {"calls": n, "why": why} for label, (n, why) in eager.items()},
+        "compiles": len(reports),
+        "fallback_ops": fallbacks,
+        "switches": list(switches),
+        "lora_changes": {label: networks for label, networks in lora_changes},
+        **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
+                                               "run_seconds")},
+    }

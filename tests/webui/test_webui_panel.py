@@ -194,6 +194,6 @@ def test_last_run_and_ready_sizes_follow_each_generation(fake_host: Any, extensi
     ]
     assert len(bound) == 1
     assert [ids[o] for o in bound[0]["outputs"]] == [script.elem_id("status"), script.elem_id("ready")]
-    extension.last_status = "OpenVINO (CPU, UNet+VAE+TE, auto) on CPU: ..."
+    extension._set_last_run({"accelerated": True, "status": "OpenVINO (CPU, UNet+VAE+TE, auto) on CPU: ..."})
     status, ready = demo.fns[demo.dependencies.index(bound[0])].fn()
     assert status == extension.last_status and ready == "No size compiled yet for this checkpoint."
