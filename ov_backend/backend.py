@@ -135,6 +135,19 @@ class OVBackend:
             config.pop("CACHE_DIR")
             return self.core.compile_model(str(model), self.settings.device, config)
 
+    def start_window(self) -> None:
+        """Start a use window: from now on, a graph that builds a model first releases its compiled
+        models that no call used since this point (see :class:`ov_backend.variants.UseWindow`).
+
+        An owner that starts a window per unit of work (a generation) keeps in memory only the
+        compiled models that work uses; one that never does keeps every model it compiled.
+        """
+        self.build_context.window.start()
+
+    def stop_windows(self) -> None:
+        """Keep every compiled model again (no release until the next :meth:`start_window`)."""
+        self.build_context.window.stop()
+
     def _cpu_only(self) -> bool:
         return self.settings.device.split(".")[0] == "CPU"
 
@@ -153,7 +166,7 @@ class OVBackend:
     def stats(self) -> dict[str, float]:
         """Counters (see :class:`ov_backend.report.Stats`): compile_seconds (with trace_seconds,
         convert_seconds, ov_compile_seconds), run_seconds, ov_calls, eager_calls, cache_hits, cache_misses,
-        compiles."""
+        compiles, released (compiled models released, see start_window)."""
         return self.stats_counter.snapshot()
 
     def reset(self) -> None:

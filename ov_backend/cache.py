@@ -32,6 +32,8 @@ from typing import Any
 
 import openvino as ov
 
+from ov_backend.files import atomic_path
+
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2
@@ -207,6 +209,44 @@ class ModelCache:
                 shutil.rmtree(tmp, ignore_errors=True)
             return None
 
+    @property
+    def failures_file(self) -> Path:
+        """Conversions known to fail (key -> reason), so that a later process does not try them again."""
+        return self.root / "conversion-failures.json"
+
+    def failure(self, key: str) -> str | None:
+        """Why the conversion named ``key`` failed before, or None (an unreadable file counts as empty)."""
+        try:
+            known = json.loads(self.failures_file.read_text())
+        except (OSError, ValueError):
+            return None
+        reason = known.get(key) if isinstance(known, dict) else None
+        return str(reason) if reason is not None else None
+
+    def note_failure(self, key: str, reason: str) -> None:
+        """Remember that the conversion named ``key`` failed (written atomically; a failure to write is logged)."""
+        try:
+            known = json.loads(self.failures_file.read_text())
+            known = known if isinstance(known, dict) else {}
+        except (OSError, ValueError):
+            known = {}
+        known[key] = reason[:2000]
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with atomic_path(self.failures_file) as tmp:
+                tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        except OSError as err:
+            logger.warning("could not note a failed conversion in %s: %s", self.failures_file, err)
+
+    def keys(self) -> set[str]:
+        """The keys of the entries (as :meth:`entries` names them), from folder and file names only."""
+        keys: set[str] = set()
+        if self.models_dir.is_dir():
+            keys.update(e.name for e in self.models_dir.iterdir() if e.is_dir() and not e.name.startswith("."))
+        if self.blob_dir.is_dir():
+            keys.update(f"blobs/{b.name}" for b in self.blob_dir.iterdir() if b.is_file())
+        return keys
+
     def entries(self) -> list[CacheEntry]:
         """Every entry (converted models and OpenVINO blobs), most recently used first."""
         found: list[CacheEntry] = []
@@ -245,6 +285,7 @@ class ModelCache:
             removed = [e.key for e in self.entries()]
             for sub in (self.models_dir, self.blob_dir):
                 shutil.rmtree(sub, ignore_errors=True)
+            self.failures_file.unlink(missing_ok=True)
             return removed
         wanted = set(keys)
         removed = []

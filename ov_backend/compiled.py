@@ -50,19 +50,39 @@ class CompiledGraph:
         self._lock = threading.RLock()
         self._weights = WeightVariants(self.inputs, name, context.digests, self._lock)
         self._builder = GraphBuilder(context, self.inputs, name)
+        #: (weights fingerprint, signature) -> the use window of its last call
+        self._last_used: dict[tuple[str, Any], int] = {}
+
+    def _release_unused(self) -> None:
+        """Before a build: release compiled models no call used in the current window (lock held)."""
+        if not self.context.window.releasing:
+            return
+        window = self.context.window.current
+        unused = {key for key, last in self._last_used.items() if last < window}
+        if not unused:
+            return
+        for key in unused:
+            del self._last_used[key]
+        released = self._weights.release(unused)
+        if released:
+            self.context.stats.add(released=released)
+            logger.info("%s: released %d compiled model(s) no call used since the current use window began",
+                        self.name, released)
 
     def __call__(self, *args: Any) -> Any:
         weight_values, user_values = self.inputs.split(args)
         sig = signature(user_values, self.inputs.scalar_tensors)
-        _fp, variants = self._weights.current(weight_values)
+        fp, variants = self._weights.current(weight_values)
         variant = variants.get(sig)
         if variant is None:
             with self._lock:
-                fingerprint, variants = self._weights.current(weight_values)
+                fp, variants = self._weights.current(weight_values)
                 variant = variants.get(sig)
                 if variant is None:
-                    variant = self._builder.build(sig, user_values, weight_values, variants, fingerprint)
+                    self._release_unused()
+                    variant = self._builder.build(sig, user_values, weight_values, variants, fp)
                     variants[sig] = variant
+        self._last_used[(fp, sig)] = self.context.window.current
         start = time.perf_counter()
         try:
             result = variant.run(user_values)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import openvino as ov
 from ov_backend.cache import ModelCache, make_key
 from ov_backend.report import CompileReport, PartitionReport, Stats
 from ov_backend.settings import BackendSettings
+from ov_backend.variants import UseWindow
 from ov_backend.weights import DigestMemo
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class BuildContext:
         add_report: receives each compile's report.
         digests: per-tensor weight digests shared by every graph.
         versions: library versions, part of every cache key.
+        window: the backend's use windows (compiled models unused in the current one are released).
     """
 
     settings: BackendSettings
@@ -53,6 +55,7 @@ class BuildContext:
     add_report: Callable[[CompileReport], None]
     digests: DigestMemo
     versions: Mapping[str, str]
+    window: UseWindow = field(default_factory=UseWindow)
 
     def fail(self, message: str, err: BaseException | None = None) -> None:
         """A visible fallback to PyTorch: a WARNING with ``message``, or raise when ``strict``.

@@ -215,3 +215,16 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
         raise _conversion_error("the exported graph", err) from err
     except Exception as err:  # the converter raises plain Exceptions for unsupported programs
         raise ConversionError(f"OpenVINO could not convert the exported graph: {err}") from err
+
+
+def symbolic_min_max(gm: torch.fx.GraphModule) -> list[str]:
+    """The nodes of ``gm`` that take Python's ``max()`` / ``min()`` of symbolic sizes (``torch.sym_max`` /
+    ``torch.sym_min``).
+
+    OpenVINO's frontend has no rule for them, so such a graph cannot be converted with dynamic shapes:
+    A1111's InvokeAI attention (its CPU default) slices its queries by ``max(tokens // div, 1)``. Found
+    up front, the full-size UNet goes the static route at once instead of after a failed export of
+    minutes. (Rewriting them into integer arithmetic the frontend takes does convert, but the full-size
+    UNet's step then ran 1.56x slower than the static route's in the real-WebUI benchmark.)
+    """
+    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.sym_max, torch.sym_min)]

@@ -53,6 +53,8 @@ class StaticBuild:
         self.name = name
         self.decompositions = decompositions
         self.report = report
+        #: the converted model of a graph that is one partition (its inputs and outputs are the graph's)
+        self.whole_model: ov.Model | None = None
 
     def run(self, user_values: Sequence[Any], weight_values: Sequence[torch.Tensor], fingerprint: str,
             whole_key: str | None) -> Variant:
@@ -82,14 +84,15 @@ class StaticBuild:
             leave_out: set[str] = set()
             # a graph that is one partition is cached under the graph's own key: the next process
             # finds it without tracing
-            covers = bool(whole_key) and not support.rejected and covers_whole_graph(graph, names)
+            covers = (not support.rejected and covers_whole_graph(graph, names)
+                      and self.inputs.outputs_are_tensors())
             small = {name: aten_op_count(graph.get_submodule(name)) for name in names}
             small = {name: ops for name, ops in small.items() if ops < self.context.settings.min_partition_ops}
             for name in names:
                 if name in small:
                     report.partitions.append(PartitionReport(name, ops=small[name], in_openvino=False))
                     continue
-                outcome = self._convert_and_compile(graph, name, fingerprint, whole_key if covers else None)
+                outcome = self._convert_and_compile(graph, name, fingerprint, whole_key if covers else None, covers)
                 if not (isinstance(outcome, convert.ConversionError) and outcome.unconverted):
                     continue
                 # ops the partition holds can be left to PyTorch by partitioning again
@@ -140,8 +143,9 @@ class StaticBuild:
                           f"({err}; {why})", err)
 
     def _convert_and_compile(self, graph: torch.fx.GraphModule, name: str, fingerprint: str,
-                             key: str | None = None) -> convert.ConversionError | None:
-        """Convert and compile partition ``name`` and put it in ``graph`` (cached under ``key``).
+                             key: str | None = None, whole: bool = False) -> convert.ConversionError | None:
+        """Convert and compile partition ``name`` and put it in ``graph`` (cached under ``key``); ``whole``:
+        the partition is the whole graph, its converted model is kept in :attr:`whole_model`.
 
         Returns the error of a conversion the frontend refused for unconverted ops, which the caller
         handles (partition again, or keep the partition in PyTorch); other failures are reported
@@ -172,6 +176,8 @@ class StaticBuild:
                              err)
                 return err
             part.convert_seconds = time.perf_counter() - start
+            if whole:
+                self.whole_model = model
             if key:
                 # compiled from its cache file, OpenVINO's blob is found again by the next process
                 model = context.cache_store(key, model, f"{self.name} {name} {report.signature}") or model

@@ -17,7 +17,9 @@ class PartitionReport:
         convert_seconds: time to convert it (0 on a cache hit).
         compile_seconds: time OpenVINO took to compile it for the device.
         in_openvino: False when its conversion or compile failed and it runs in PyTorch.
-        reused: the model converted for an earlier shape was reshaped (no conversion).
+        reused: the model converted for an earlier shape or earlier weights was compiled again (no conversion).
+        weights_changed: the weights changed in place since the conversion, and the model that reads
+            them from the tensors was compiled again (see :mod:`ov_backend.live`).
         execution_devices: the devices OpenVINO actually runs it on (what "AUTO" chose).
         precision: the inference precision the plugin uses ("f32", "bf16", ...).
     """
@@ -29,6 +31,7 @@ class PartitionReport:
     compile_seconds: float = 0.0
     in_openvino: bool = True
     reused: bool = False
+    weights_changed: bool = False
     execution_devices: tuple[str, ...] = ()
     precision: str = ""
 
@@ -96,7 +99,8 @@ class CompileReport:
             f"{in_ov} OpenVINO partition(s)",
             f"trace {self.trace_seconds:.2f}s, convert {self.convert_seconds:.2f}s, "
             f"compile {self.compile_seconds:.2f}s",
-            "conversion reused" if self.partitions and all(p.reused for p in self.partitions)
+            ("conversion reused for the new weights" if any(p.weights_changed for p in self.partitions)
+             else "conversion reused") if self.partitions and all(p.reused for p in self.partitions)
             else "cache hit" if self.cache_hit else "cache miss",
         ]
         if self.fallback_ops:
@@ -118,7 +122,7 @@ class Stats:
         self._lock = threading.Lock()
         self._values = {"compile_seconds": 0.0, "trace_seconds": 0.0, "convert_seconds": 0.0,
                         "ov_compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
-                        "cache_hits": 0, "cache_misses": 0, "compiles": 0}
+                        "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0}
 
     def add(self, **amounts: float) -> None:
         with self._lock:

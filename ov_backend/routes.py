@@ -3,7 +3,9 @@
 Owns :class:`GraphBuilder`, which picks the route and records it in a compile report:
 
 * dynamic: a symbolic-shape graph (dynamo's second shape onward) is converted once with its
-  dynamic dimensions kept (cached), then reshaped and compiled for each new signature;
+  dynamic dimensions kept (cached), then reshaped and compiled for each new signature; when the
+  weights change in place, the converted model that reads them from the tensors is compiled
+  again instead of converting anew (:mod:`ov_backend.live`);
 * whole-graph cache entry: a graph cached earlier as one model is compiled from the cache
   without tracing;
 * static: the graph is traced for the signature, partitioned and converted
@@ -17,14 +19,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import openvino as ov
 import torch
 
-from ov_backend import convert
+from ov_backend import convert, weights
 from ov_backend.context import BuildContext
+from ov_backend.files import format_bytes
 from ov_backend.inputs import GraphInputs, signature_text
+from ov_backend.live import LiveModel, attach_weights, weightless_copy
 from ov_backend.ops import decomposition_table, node_op_name
 from ov_backend.partitions import StaticBuild
 from ov_backend.report import CompileReport, PartitionReport
@@ -33,7 +38,7 @@ from ov_backend.variants import Variant, eager_variant
 
 logger = logging.getLogger(__name__)
 
-#: the key, in a weights set's variants, of the model converted with dynamic shapes (False: failed)
+#: the key, in a weights set's variants, of the model converted with dynamic shapes
 DYNAMIC_MODEL = "__dynamic_model__"
 
 
@@ -51,6 +56,16 @@ class GraphBuilder:
         self.inputs = inputs
         self.name = name
         self._graph_code = inputs.gm.code
+        self._live: LiveModel | None = None
+        #: why this graph's dynamic conversion failed or cannot work (a property of the graph: never tried again)
+        self._dynamic_failed: str | None = None
+        self._failure_looked_up = False
+        min_max = convert.symbolic_min_max(inputs.gm) if inputs.dynamic_dims is not None else []
+        if min_max:
+            self._dynamic_failed = f"symbolic max/min of sizes ({', '.join(min_max[:3])}): no OpenVINO rule"
+            logger.info("%s: %s; each input shape is converted on its own (static route)", name, self._dynamic_failed)
+        #: per signature, the static route's model of the whole graph (one partition), if it reads the weights
+        self._static_live: dict[tuple[Any, ...], LiveModel] = {}
         self._decomp = decomposition_table(context.settings.decompositions)
         self._torch_op_count = sum(1 for n in inputs.gm.graph.nodes if n.op == "call_method" or (
             n.op == "call_function" and not node_op_name(n).startswith("_operator.")))
@@ -92,11 +107,37 @@ class GraphBuilder:
         assert dims is not None
         context = self.context
         part = PartitionReport("graph", ops=self.inputs.op_count)
+        if not self._failure_looked_up and context.settings.model_caching:
+            self._failure_looked_up = True  # once per graph: a failure found later is remembered in memory
+            self._dynamic_failed = context.cache.failure(self._dynamic_failure_key(sig))
+            if self._dynamic_failed is not None:
+                logger.info("%s: its dynamic conversion failed in an earlier process (%s); each shape goes the "
+                            "static route", self.name, self._dynamic_failed.splitlines()[0])
+        if self._dynamic_failed is not None:
+            return None  # the graph, not its weights, made it fail: each shape goes the static route
+        key = context.key("dynamic", [(len(s[0]), s[1]) for s in sig], fingerprint,
+                          {"graph": self._graph_code, "dims": dims})
         base = variants.get(DYNAMIC_MODEL)
         if base is None:
-            key = context.key("dynamic", [(len(s[0]), s[1]) for s in sig], fingerprint,
-                              {"graph": self._graph_code, "dims": dims})
+            # weights changed in place (a LoRA, a checkpoint loaded into the same modules): the model
+            # converted earlier reads the tensors themselves, so compiling it again is enough
+            base, changed = self._live_model(weight_values)
+            if base is not None:
+                part.reused, part.weights_changed = True, changed
+                variants[DYNAMIC_MODEL] = base
+                if changed and context.settings.model_caching:
+                    # stored for these weights too (no weights in it), so the next process finds them
+                    context.cache_store(key, weightless_copy(base, weight_values),
+                                        f"{self.name} dynamic {report.signature}")
+        if base is None:
             base = context.cache_load(key)
+            if base is not None:
+                base = attach_weights(base, weight_values)
+                if base is None:
+                    logger.warning("%s: the cached model does not fit the graph's weights; converting again",
+                                   self.name)
+                else:
+                    self._remember_live(base, weight_values)
             part.cache_hit = base is not None
             if base is None:
                 start = time.perf_counter()
@@ -105,16 +146,21 @@ class GraphBuilder:
                 except convert.ConversionError as err:
                     report.warnings.append(f"dynamic conversion failed: {err}")
                     logger.warning("%s: could not convert with dynamic shapes (%s); converting each input "
-                                   "shape separately instead", self.name, err)
-                    variants[DYNAMIC_MODEL] = False
+                                   "shape separately instead (remembered for this graph)", self.name, err)
+                    self._dynamic_failed = str(err)
+                    if context.settings.model_caching:
+                        context.cache.note_failure(self._dynamic_failure_key(sig), str(err))
                     return None
                 part.convert_seconds = time.perf_counter() - start
-                context.cache_store(key, base, f"{self.name} dynamic {report.signature}")
+                live = self._remember_live(base, weight_values)
+                if context.settings.model_caching:
+                    # the weights the model reads from the tensors are not written: the entry is the
+                    # graph and the few constants the conversion made itself
+                    stored = weightless_copy(base, weight_values) if live.shared_bytes else base
+                    context.cache_store(key, stored, f"{self.name} dynamic {report.signature}")
             variants[DYNAMIC_MODEL] = base
-        else:
-            part.reused = base is not False
-        if base is False:
-            return None
+        elif not part.reused:
+            part.reused = True
         model = base.clone()
         model.reshape({i: ov.PartialShape(list(s[0])) for i, s in enumerate(sig)})
         try:
@@ -128,7 +174,33 @@ class GraphBuilder:
         report.partitions.append(part)
         runner = OVRunner(compiled, self.inputs.output_dtypes())
         logger.info("OpenVINO compiled %s", report.summary())
-        return Variant(lambda user: tuple(runner(user)), in_openvino=True)
+        return Variant(lambda user: tuple(runner(user)), in_openvino=True, releasable=True)
+
+    def _dynamic_failure_key(self, sig: tuple[Any, ...]) -> str:
+        """The key under which a failed dynamic conversion of this graph is remembered (no weights in it)."""
+        return self.context.key("dynamic-failure", [(len(s[0]), s[1]) for s in sig], None,
+                                {"graph": self._graph_code, "dims": self.inputs.dynamic_dims})
+
+    def _remember_live(self, base: ov.Model, weight_values: Sequence[torch.Tensor]) -> LiveModel:
+        live = self._live = LiveModel(base, weight_values, weights.digests(weight_values, self.context.digests))
+        logger.info("%s: the converted model reads %s of weights from the PyTorch tensors and holds copies of %s",
+                    self.name, format_bytes(live.shared_bytes), format_bytes(live.copied_bytes))
+        return live
+
+    def _live_model(self, weight_values: Sequence[torch.Tensor]) -> tuple[ov.Model | None, bool]:
+        """The model converted earlier, if compiling it now gives exactly these weights, and whether the
+        weights changed since its conversion."""
+        live = self._live
+        if live is None:
+            return None, False
+        changed = live.check(weight_values, weights.digests(weight_values, self.context.digests))
+        if changed is not None:
+            if changed:
+                logger.info("%s: weights changed in place; compiling the model converted before (no conversion)",
+                            self.name)
+            return live.model, changed
+        self._live = None  # other tensors, or a weight it holds a copy of changed: it is of no more use
+        return None, False
 
     # -- static route ---------------------------------------------------------------------------------
     def _build_static(self, sig: tuple[Any, ...], user_values: Sequence[Any],
@@ -142,19 +214,41 @@ class GraphBuilder:
             cached = self._from_whole_graph_entry(whole_key, report)
             if cached is not None:
                 return cached
+        live = self._static_live.get(sig)
+        if live is not None:
+            changed = live.check(weight_values, weights.digests(weight_values, context.digests))
+            if changed is not None:
+                part = PartitionReport("graph", ops=self.inputs.op_count, reused=True, weights_changed=changed)
+                variant = self._whole_graph_variant(live.model, part, report)
+                if variant is not None:
+                    return variant
+            del self._static_live[sig]
         build = StaticBuild(context, self.inputs, self.name, self._decomp, report)
-        return build.run(user_values, weight_values, fingerprint, whole_key)
+        variant = build.run(user_values, weight_values, fingerprint, whole_key)
+        if build.whole_model is not None:
+            live = self._static_live[sig] = LiveModel(build.whole_model, weight_values,
+                                                      weights.digests(weight_values, context.digests))
+            # compiled again from the kept model when it is needed after a release
+            variant.releasable = variant.in_openvino and live.shared_bytes > 0
+        return variant
 
     def _from_whole_graph_entry(self, key: str, report: CompileReport) -> Variant | None:
         """A variant from a cached model of the whole graph, with no tracing at all; None if absent."""
         xml = self.context.cache_file(key)
         if xml is None:
             return None
-        part = PartitionReport("graph", ops=self.inputs.op_count, cache_hit=True)
+        return self._whole_graph_variant(xml, PartitionReport("graph", ops=self.inputs.op_count, cache_hit=True),
+                                         report)
+
+    def _whole_graph_variant(self, model: ov.Model | Path, part: PartitionReport,
+                             report: CompileReport) -> Variant | None:
+        """A variant from a model of the whole graph (its inputs are the graph's tensor inputs, scalars
+        baked); None when it cannot be compiled."""
         try:
-            compiled = self.context.compile(xml, part)
+            compiled = self.context.compile(model, part)
         except RuntimeError as err:
-            logger.warning("%s: the cached model could not be compiled (%s); converting again", self.name, err)
+            logger.warning("%s: the model of the whole graph could not be compiled (%s); converting again",
+                           self.name, err)
             return None
         report.partitions.append(part)
         runner = OVRunner(compiled, self.inputs.output_dtypes())
@@ -162,4 +256,4 @@ class GraphBuilder:
         baked = self.inputs.scalar_tensors
         return Variant(lambda user: tuple(runner([v for pos, v in enumerate(user)
                                                   if isinstance(v, torch.Tensor) and pos not in baked])),
-                       in_openvino=True)
+                       in_openvino=True, releasable=True)

@@ -26,17 +26,44 @@ logger = logging.getLogger(__name__)
 MAX_WEIGHT_VARIANTS = 2
 
 
+class UseWindow:
+    """A backend's count of use windows (see :meth:`ov_backend.backend.OVBackend.start_window`).
+
+    The owner starts a window per unit of work (the WebUI adapter: per generation). A compiled model
+    no call used in the current window is released when its graph builds another, if the graph keeps
+    the model it was compiled from (using it again costs a compile, never a conversion): memory holds
+    the models the work at hand uses, and a size the work uses again is never compiled twice within
+    it. Before the first window, or after :meth:`stop`, nothing is released.
+    """
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.releasing = False
+
+    def start(self) -> None:
+        """A new window: what the calls from now on do not use is released at the next build."""
+        self.current += 1
+        self.releasing = True
+
+    def stop(self) -> None:
+        """No more releasing (until the next :meth:`start`): every compiled model stays."""
+        self.releasing = False
+
+
 class Variant:
     """How one signature runs: a partitioned graph, a single OpenVINO model, or eager PyTorch.
 
     Args:
         run: takes the call's user inputs, returns the graph's outputs.
         in_openvino: whether any of it runs in OpenVINO.
+        releasable: compiled from a converted model the graph keeps: releasing it costs only a compile
+            when it is needed again (see :class:`UseWindow`).
     """
 
-    def __init__(self, run: Callable[[Sequence[Any]], Any], in_openvino: bool) -> None:
+    def __init__(self, run: Callable[[Sequence[Any]], Any], in_openvino: bool, releasable: bool = False) -> None:
         self.run = run
         self.in_openvino = in_openvino
+        self.releasable = releasable
 
 
 def eager_variant(inputs: GraphInputs, weight_values: Sequence[torch.Tensor]) -> Variant:
@@ -89,3 +116,22 @@ class WeightVariants:
             self._fingerprint = fp
             self._watch = weights.WeightWatch(weight_values)
             return fp, self._by_weights[fp]
+
+    def release(self, unused: set[tuple[str, Any]]) -> int:
+        """Drop the releasable variants ``(fingerprint, signature)`` in ``unused``; returns how many.
+
+        A weight set other than the current one left without a compiled model is forgotten whole
+        (its converted model too: a model converted from tensors changed in place since is found
+        again by the graph's builder, see :mod:`ov_backend.live`). Call with the graph's lock held.
+        """
+        dropped = 0
+        for fp, sig in unused:
+            found = self._by_weights.get(fp)
+            variant = found.get(sig) if found is not None else None
+            if isinstance(variant, Variant) and variant.releasable:
+                del found[sig]
+                dropped += 1
+        for fp, found in list(self._by_weights.items()):
+            if fp != self._fingerprint and not any(isinstance(v, Variant) for v in found.values()):
+                del self._by_weights[fp]
+        return dropped

@@ -124,14 +124,14 @@ class DigestMemo:
             return len(self._known)
 
 
-def fingerprint(tensors: Sequence[torch.Tensor], memo: DigestMemo | None = None) -> str:
-    """A content hash of ``tensors`` (values, dtypes, shapes and order).
+def digests(tensors: Sequence[torch.Tensor], memo: DigestMemo | None = None) -> list[bytes]:
+    """Each tensor's content digest (value, dtype and shape).
 
     Large sets are hashed on two threads (hashlib releases the GIL on big buffers). With a
     ``memo``, tensors hashed before and unchanged since are not read again.
     """
-    digests: list[bytes | None] = [memo.lookup(t) if memo is not None else None for t in tensors]
-    todo = [i for i, d in enumerate(digests) if d is None]
+    found: list[bytes | None] = [memo.lookup(t) if memo is not None else None for t in tensors]
+    todo = [i for i, d in enumerate(found) if d is None]
     total = sum(tensors[i].numel() * tensors[i].element_size() for i in todo)
     if total >= _PARALLEL_HASH_BYTES and len(todo) > 1:
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ov_backend_hash") as pool:
@@ -139,11 +139,15 @@ def fingerprint(tensors: Sequence[torch.Tensor], memo: DigestMemo | None = None)
     else:
         fresh = [_digest(tensors[i]) for i in todo]
     for i, d in zip(todo, fresh):
-        digests[i] = d
+        found[i] = d
         if memo is not None:
             memo.remember(tensors[i], d)
+    return [d for d in found if d is not None]
+
+
+def fingerprint(tensors: Sequence[torch.Tensor], memo: DigestMemo | None = None) -> str:
+    """A content hash of ``tensors`` (values, dtypes, shapes and order); see :func:`digests`."""
     h = hashlib.sha256()
-    for d in digests:
-        assert d is not None
+    for d in digests(tensors, memo):
         h.update(d)
     return h.hexdigest()[:40]

@@ -1,0 +1,273 @@
+"""Weights changed in place cost a compile, not a conversion; use windows bound what stays compiled."""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import pytest
+import torch
+
+from ov_backend.live import LiveModel
+from ov_backend.weights import digests
+
+from .conftest import F32_ATOL, F32_RTOL
+
+
+class Block(torch.nn.Module):
+    """A conv, a layer norm and two linear layers: the kinds of weights a LoRA and a checkpoint change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(4, 16, 3, padding=1)
+        self.norm = torch.nn.LayerNorm(16)
+        self.q = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).permute(0, 2, 3, 1)
+        h = self.out(torch.nn.functional.silu(self.q(self.norm(h))))
+        return h.permute(0, 3, 1, 2)
+
+
+def call(compiled, model, height: int, width: int) -> torch.Tensor:
+    x = torch.randn(2, 4, height, width)
+    for dim in (0, 2, 3):
+        torch._dynamo.maybe_mark_dynamic(x, dim)
+    with torch.no_grad():
+        got = compiled(x)
+        torch.testing.assert_close(got, model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    return got
+
+
+def test_lora_like_change_is_compiled_from_the_converted_model(backend):
+    model = Block().eval()
+    compiled = torch.compile(model, backend=backend)
+    call(compiled, model, 8, 8)
+    assert backend.reports[-1].route == "dynamic"
+    converted = backend.stats()["convert_seconds"]
+    assert converted > 0
+    original = model.q.weight.detach().clone()
+    with torch.no_grad():
+        model.q.weight.add_(torch.randn_like(model.q.weight))  # A1111's LoRA: an in-place write
+    call(compiled, model, 8, 8)  # the picture of the new weights (compared with eager inside)
+    report = backend.reports[-1]
+    assert [p.weights_changed for p in report.partitions] == [True]
+    assert "conversion reused for the new weights" in report.summary()
+    assert backend.stats()["convert_seconds"] == converted
+    call(compiled, model, 12, 8)  # a new size with the new weights: a reshape, still no conversion
+    assert backend.stats()["convert_seconds"] == converted
+    compiles = backend.stats()["compiles"]
+    with torch.no_grad():
+        model.q.weight.copy_(original)  # the LoRA removed: the models of the first weights are kept
+    call(compiled, model, 8, 8)
+    assert backend.stats()["compiles"] == compiles
+
+
+@pytest.mark.parametrize("change", ["norm", "conv bias", "replaced tensor"])
+def test_any_weight_change_gives_the_new_weights(backend, change):
+    """Whatever the model shares with the tensors or copied, the result is that of the weights now."""
+    model = Block().eval()
+    compiled = torch.compile(model, backend=backend)
+    before = call(compiled, model, 8, 8)
+    with torch.no_grad():
+        if change == "norm":
+            model.norm.weight.mul_(-2.0)
+        elif change == "conv bias":
+            model.conv.bias.add_(1.0)
+        else:
+            model.out.weight = torch.nn.Parameter(torch.randn_like(model.out.weight))
+    after = call(compiled, model, 8, 8)
+    assert not torch.allclose(before, after)
+
+
+def test_a_use_window_releases_what_it_did_not_call(backend):
+    model = Block().eval()
+    compiled = torch.compile(model, backend=backend)
+    backend.start_window()
+    call(compiled, model, 8, 8)
+    call(compiled, model, 12, 8)  # two sizes in one window: both kept
+    assert backend.stats()["released"] == 0
+    backend.start_window()
+    call(compiled, model, 8, 8)
+    call(compiled, model, 16, 8)  # the 12x8 model was not called in this window: released first
+    assert backend.stats()["released"] == 1
+    converted, compiles = backend.stats()["convert_seconds"], backend.stats()["compiles"]
+    backend.start_window()
+    call(compiled, model, 12, 8)  # back to it: compiled again from the converted model
+    assert backend.stats()["compiles"] == compiles + 1
+    assert backend.stats()["convert_seconds"] == converted
+    assert backend.stats()["released"] == 3  # 8x8 and 16x8, unused in this window
+
+
+def test_without_windows_nothing_is_released(backend):
+    model = Block().eval()
+    compiled = torch.compile(model, backend=backend)
+    for height in (8, 12, 16, 8, 12):
+        call(compiled, model, height, 8)
+    assert backend.stats()["released"] == 0
+    assert backend.stats()["compiles"] == 3
+
+
+def _model_of(*constants: ov.Node) -> ov.Model:
+    x = ops.parameter([4], np.float32, name="x")
+    out = x
+    for const in constants:
+        out = ops.add(out, ops.reduce_sum(const, [0, 1], keep_dims=False)
+                      if len(const.get_output_shape(0)) == 2 else const)
+    return ov.Model([out], [x])
+
+
+def _shared(t: torch.Tensor) -> ov.Node:
+    return ops.constant(t.numpy(), shared_memory=True)
+
+
+def test_live_model_rules():
+    """The rules :class:`LiveModel` applies, on a model built by hand."""
+    shared_w = torch.randn(3, 4)
+    copied_w = torch.randn(4)
+    model = _model_of(_shared(shared_w), ops.constant(copied_w.numpy().copy()))
+    ws = [shared_w, copied_w]
+    live = LiveModel(model, ws, digests(ws))
+    assert live.shared_bytes == shared_w.numel() * 4 and live.copied_bytes == copied_w.numel() * 4
+    assert live.serves(ws, digests(ws))
+    shared_w.add_(1.0)  # read from the tensor: still serves
+    assert live.serves(ws, digests(ws))
+    copied_w.add_(1.0)  # the model holds an older copy: does not
+    assert not live.serves(ws, digests(ws))
+    assert not live.serves([shared_w.clone(), copied_w], digests([shared_w.clone(), copied_w]))
+
+
+def test_a_copy_with_a_shared_weights_element_count_makes_it_count_as_copied():
+    """A constant derived from a weight (a transposed copy) would not follow it: same element count,
+    so that weight must stay unchanged for the model to be reused."""
+    w = torch.randn(3, 4)
+    model = _model_of(_shared(w), ops.constant(w.t().contiguous().numpy()))
+    live = LiveModel(model, [w], digests([w]))
+    assert live.shared_bytes == 0
+    w.add_(1.0)
+    assert not live.serves([w], digests([w]))
+
+
+class Wide(Block):
+    """The block with weights large enough that a copy of them would dominate a cache entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.q = torch.nn.Linear(16, 1024)
+        self.out = torch.nn.Linear(1024, 4)
+
+
+def test_the_disk_cache_stores_no_copy_of_the_weights_and_a_restart_follows_changes(tmp_path):
+    from ov_backend import OVBackend
+
+    options = {"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")}
+    model = Wide().eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    first = OVBackend(options)
+    call(torch.compile(model, backend=first), model, 8, 8)
+    entries = [e for e in first.cache.entries() if "dynamic" in e.description]
+    assert len(entries) == 1 and entries[0].size_bytes < weight_bytes / 4, (entries, weight_bytes)
+
+    torch._dynamo.reset()  # a new process: dynamo captures again, the backend finds the entry
+    second = OVBackend(options)
+    compiled = torch.compile(model, backend=second)
+    call(compiled, model, 8, 8)
+    assert second.reports[-1].cache_hit and second.stats()["convert_seconds"] == 0
+    with torch.no_grad():
+        model.q.weight.mul_(-1.5)  # a LoRA after the restart: the loaded model reads the tensors too
+    call(compiled, model, 8, 8)
+    assert second.stats()["convert_seconds"] == 0
+    assert [p.weights_changed for p in second.reports[-1].partitions] == [True]
+    # the changed weights got their own (weightless) entry: a third process finds them on disk
+    torch._dynamo.reset()
+    third = OVBackend(options)
+    call(torch.compile(model, backend=third), model, 8, 8)
+    assert third.reports[-1].cache_hit and third.stats()["convert_seconds"] == 0
+    assert all(e.size_bytes < weight_bytes / 4 for e in third.cache.entries() if "dynamic" in e.description)
+
+
+def test_a_stored_model_that_does_not_fit_the_weights_is_converted_again(tmp_path):
+    """Another graph's tensors (here: other shapes) never get attached to a stored model."""
+    from ov_backend.live import attach_weights, weightless_copy
+
+    model = Block().eval()
+    weights = list(model.parameters())
+    converted = _model_of(_shared(weights[4].detach()))
+    stored = weightless_copy(converted, [w.detach() for w in weights])
+    assert [p.get_friendly_name() for p in stored.get_parameters()][1:] == ["__ov_weight_4"]
+    other = [w.detach() for w in weights]
+    other[4] = torch.randn(3, 3)
+    assert attach_weights(stored.clone(), other) is None
+    attached = attach_weights(stored.clone(), [w.detach() for w in weights])
+    assert attached is not None and len(attached.get_parameters()) == 1
+    x = np.ones(4, np.float32)
+    expected = x + weights[4].detach().sum().item()
+    np.testing.assert_allclose(ov.Core().compile_model(attached, "CPU")(x)[0], expected, rtol=1e-5)
+
+
+class Sliced(torch.nn.Module):
+    """Python's max() and min() of a size, as A1111's InvokeAI attention slices its queries:
+    ``torch.sym_max`` / ``torch.sym_min`` in the captured graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step = max(x.shape[1] // 4, 1)
+        low = min(x.shape[1], 3)
+        return self.lin(x) + self.lin(x[:, :step]).mean(dim=1, keepdim=True) + x[:, :low].mean(dim=1, keepdim=True)
+
+
+def test_symbolic_max_and_min_of_sizes_go_the_static_route_without_an_export(backend, monkeypatch):
+    """OpenVINO's frontend has no rule for torch.sym_max: such a graph is traced per shape at once."""
+    from ov_backend import convert
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("a graph with sym_max/sym_min must not be exported with dynamic shapes")
+
+    monkeypatch.setattr(convert, "convert_dynamic", no_export)
+    model = Sliced().eval()
+    compiled = torch.compile(model, backend=backend)
+    for tokens in (16, 12, 20):
+        x = torch.randn(2, tokens, 8)
+        torch._dynamo.maybe_mark_dynamic(x, 1)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    assert {r.route for r in backend.reports} == {"static"}
+    assert backend.stats()["eager_calls"] == 0 and backend.stats()["ov_calls"] == 3
+
+
+def test_a_failed_dynamic_conversion_is_not_tried_again(tmp_path, monkeypatch):
+    """It is a property of the graph: not retried for other weights, nor by the next process."""
+    from ov_backend import OVBackend, convert
+
+    tries: list[int] = []
+
+    def refuse(*args, **kwargs):
+        tries.append(1)
+        raise convert.ConversionError("no rule for the test's op")
+
+    monkeypatch.setattr(convert, "convert_dynamic", refuse)
+    options = {"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")}
+    model = Block().eval()
+    first = OVBackend(options)
+    compiled = torch.compile(model, backend=first)
+    call(compiled, model, 8, 8)
+    assert first.reports[-1].route == "static" and len(tries) == 1
+    with torch.no_grad():
+        model.q.weight.add_(1.0)  # other weights
+    call(compiled, model, 8, 8)
+    call(compiled, model, 12, 8)  # another shape: static too
+    assert len(tries) == 1
+    assert "no rule for the test's op" in (tmp_path / "cache" / "conversion-failures.json").read_text()
+    torch._dynamo.reset()
+    second = OVBackend(options)
+    call(torch.compile(model, backend=second), model, 16, 8)
+    assert len(tries) == 1 and second.reports[-1].route == "static"
+    first.cache.clear()
+    assert not (tmp_path / "cache" / "conversion-failures.json").exists()
