@@ -91,6 +91,10 @@ class PreparedRun:
     """The f32 backend's counters before the run (empty if it did not exist yet)."""
 
 
+#: How a run's compiled models are kept (see :meth:`Accelerator.prepare`).
+WINDOW_NEW, WINDOW_CONTINUE, WINDOW_OFF = "new", "continue", "off"
+
+
 class Accelerator:
     """Owns compiled models across generations; :meth:`reset` drops them."""
 
@@ -109,8 +113,15 @@ class Accelerator:
         self._compiled: dict[tuple[BackendKey, str], list[CompiledRoute]] = {}
         self._lora = LoraHook(self._lock)
 
-    def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str) -> PreparedRun:
+    def prepare(
+        self, model: Any, settings: AccelerateSettings, default_cache_dir: str, window: str = WINDOW_NEW
+    ) -> PreparedRun:
         """Find the parts of ``model`` to accelerate and get (or make) their compiled forwards.
+
+        ``window``: :data:`WINDOW_NEW` (a generation of its own: compiled models it does not call are
+        released when it builds another, see ``OVBackend.start_window``), :data:`WINDOW_CONTINUE` (part
+        of the previous run's window: pre-compiling several sizes, so that all of them stay compiled) or
+        :data:`WINDOW_OFF` (release nothing: the user keeps every size in memory).
 
         Raises:
             UnsupportedModel: the model cannot be accelerated.
@@ -125,15 +136,16 @@ class Accelerator:
             f32_options = dataclasses.replace(settings, precision=PRECISION_F32).backend_options(default_cache_dir)
         with self._lock:
             if ckpt not in self._checkpoints:
-                if self._checkpoints:
-                    logger.info(
-                        "checkpoint changed (%s -> %s): dropping compiled models in memory",
-                        ", ".join(sorted(self._checkpoints)),
-                        ckpt,
-                    )
-                self._drop_all()
-                self._checkpoints = {ckpt}
+                self._switch_to(model, ckpt)
             backend = self._backend(key, options)
+            # a generation is a use window: compiled models it does not call are released when another
+            # is built (another size, a LoRA change), so memory holds what this generation uses
+            f32_backend = self._backends.get(backend_key(f32_options)) if f32_options is not None else None
+            for used in (backend, f32_backend):
+                if used is not None and window == WINDOW_NEW:
+                    used.start_window()
+                elif used is not None and window == WINDOW_OFF:
+                    used.stop_windows()
             return self._prepared(model, targets, key, backend, settings, f32_options)
 
     def extend(self, run: PreparedRun, model: Any) -> PreparedRun:
@@ -268,12 +280,44 @@ class Accelerator:
             self._checkpoints = set()
 
     def forget_unless(self, model: Any) -> None:
-        """Drop compiled models unless ``model``'s checkpoint is one the last generation used (on model load)."""
+        """On a model load: keep compiled models if ``model``'s checkpoint is one the last generation used, or
+        if A1111 loaded the weights into the modules they route; drop them otherwise."""
         with self._lock:
-            if self._checkpoints and checkpoint_key(model) not in self._checkpoints:
-                logger.info("model changed: dropping compiled models of %s", ", ".join(sorted(self._checkpoints)))
+            ckpt = checkpoint_key(model)
+            if self._checkpoints and ckpt not in self._checkpoints:
+                self._switch_to(model, ckpt)
+
+    def _switch_to(self, model: Any, ckpt: str) -> None:
+        """Another checkpoint. A1111 loads a checkpoint of the same architecture into the model it has
+        (``load_state_dict``, in place): the compiled routes then stay, dynamo captures nothing again,
+        and the backend builds for the new weights (a compile of the model converted before when the
+        conversion reads every changed weight from the tensors, else from the disk cache or a
+        conversion); the old weights' compiled models are released by the next build. A new model
+        object (another architecture, ``sd_checkpoints_limit`` > 1) drops everything, as before."""
+        if self._checkpoints:
+            kept = self._routes_within(model)
+            logger.info(
+                "checkpoint changed (%s -> %s): %s",
+                ", ".join(sorted(self._checkpoints)),
+                ckpt,
+                "weights loaded into the routed modules: keeping their compiled routes"
+                if kept
+                else "dropping compiled models in memory",
+            )
+            if not kept:
                 self._drop_all()
-                self._checkpoints = set()
+        self._checkpoints = {ckpt}
+
+    def _routes_within(self, model: Any) -> bool:
+        """Whether every compiled route's module is alive and part of ``model`` (and there is one)."""
+        modules = [e.module_ref() for entries in self._compiled.values() for e in entries]
+        if not modules or any(m is None for m in modules):
+            return False
+        walk = getattr(model, "modules", None)
+        if walk is None:
+            return False
+        within = {id(m) for m in walk()}
+        return all(id(m) in within for m in modules)
 
     def _f32_backend(self, run: PreparedRun) -> OVBackend | None:
         """The backend of ``run``'s f32 builds, if one exists."""

@@ -12,16 +12,17 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import host
-from .accelerator import Accelerator
+from . import cache_owners, host
+from .accelerator import WINDOW_CONTINUE, WINDOW_NEW, WINDOW_OFF, Accelerator
 from .backend_bridge import BackendApi, BackendUnavailable, backend_module, load_backend
 from .infotext import generation_params
 from .lora import changes_line
-from .model_parts import UnsupportedModel, checkpoint_key
+from .model_parts import UnsupportedModel, checkpoint_key, checkpoint_label
 from .precompile import ReadySizes, Size, parse_sizes
 from .session import RoutingSession
 from .settings import AccelerateSettings
 from .status import run_status
+from .ui import KEEP_SIZES_OPTION
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +73,21 @@ class Extension:
         return [name for name, _full in self.api().list_devices()]
 
     # --- generation ----------------------------------------------------------------------------
-    def run(self, p: Any, settings: AccelerateSettings) -> Any:
-        """Run A1111's pipeline on ``p`` with the chosen parts in OpenVINO; returns the ``Processed``."""
+    def run(self, p: Any, settings: AccelerateSettings, new_window: bool = True) -> Any:
+        """Run A1111's pipeline on ``p`` with the chosen parts in OpenVINO; returns the ``Processed``.
+
+        ``new_window``: the run is a generation of its own, so compiled models it does not use are
+        released when it builds another (False: it continues the previous run's window). The Settings
+        tab's "keep every compiled size" turns releasing off.
+        """
         model = getattr(p, "sd_model", None) or host.loaded_model()
         if not settings.parts:
             return self._run_plain(p, "No part selected: the image was made in plain PyTorch.", logging.INFO)
         try:
             accelerator = self.accelerator()
-            prepared = accelerator.prepare(model, settings, host.default_cache_dir())
+            window = (WINDOW_OFF if host.option(KEEP_SIZES_OPTION, False)
+                      else WINDOW_NEW if new_window else WINDOW_CONTINUE)
+            prepared = accelerator.prepare(model, settings, host.default_cache_dir(), window)
         except (BackendUnavailable, UnsupportedModel) as exc:
             return self._run_plain(p, f"Accelerate with OpenVINO: {exc}", logging.WARNING)
         notes: list[str] = []
@@ -92,6 +100,8 @@ class Extension:
             if comment is not None:
                 comment(f"Accelerate with OpenVINO: {name} ran in plain PyTorch: {reason}")
 
+        cache_folder = settings.backend_options(host.default_cache_dir())["cache_dir"] if settings.model_caching else ""
+        cached_before = self._cache_keys(cache_folder)
         session = RoutingSession(accelerator, prepared, model, on_unsupported=unsupported)
         with self._lock:
             self._session = session
@@ -107,6 +117,8 @@ class Extension:
         finally:
             with self._lock:
                 self._session = None
+        if cached_before is not None:
+            cache_owners.record(cache_folder, self._cache_keys(cache_folder) - cached_before, checkpoint_label(model))
         calls, eager = session.calls(), session.eager()
         reports, stats = accelerator.reports_since(prepared), accelerator.stats_since(prepared)
         status = run_status(settings, calls, reports, stats, switches=session.events, eager=eager, f32=session.f32())
@@ -177,7 +189,7 @@ class Extension:
                 do_not_save_grid=True,
             )
             with host.queue_lock():
-                self.run(p, settings)
+                self.run(p, settings, new_window=number == 1)  # one window: every size stays compiled
         yield f"Ready: {', '.join(s.label() for s in sizes)}."
 
     def ready_sizes_text(self) -> str:
@@ -188,7 +200,10 @@ class Extension:
         ready = self.ready.for_checkpoint(checkpoint_key(model))
         if not ready:
             return "No size compiled yet for this checkpoint."
-        return "\n".join(f"{label}: {', '.join(s.label() for s in sizes)}" for label, sizes in sorted(ready.items()))
+        lines = [f"{label}: {', '.join(s.label() for s in sizes)}" for label, sizes in sorted(ready.items())]
+        lines.append("(Converted. The sizes of the last generation stay compiled in memory; another costs a compile, "
+                     "no conversion.)")
+        return "\n".join(lines)
 
     # --- disk cache ------------------------------------------------------------------------------
     def cache_dir(self, folder: str) -> str:
@@ -196,11 +211,23 @@ class Extension:
         return (folder or "").strip() or host.default_cache_dir()
 
     def cache_size_text(self, folder: str) -> str:
-        """E.g. "12 entries, 1.2 GiB in /models/openvino_cache"."""
+        """E.g. "12 entries, 1.2 GiB in /models/openvino_cache", and a line of sizes per checkpoint."""
         path = self.cache_dir(folder)
         cache = self.api().model_cache(path)
         size = backend_module("files").format_bytes(cache.total_bytes())
-        return f"{len(list(cache.entries()))} entries, {size} in {path}"
+        by_checkpoint = cache_owners.describe(path, cache)
+        text = f"{len(list(cache.entries()))} entries, {size} in {path}"
+        return f"{text}\n{by_checkpoint}" if by_checkpoint else text
+
+    def _cache_keys(self, folder: str) -> set[str] | None:
+        """The keys of the disk cache in ``folder`` now; None without a folder or when it cannot be read."""
+        if not folder:
+            return None
+        try:
+            return cache_owners.entry_keys(self.api().model_cache(folder))
+        except OSError as err:
+            logger.warning("could not list the OpenVINO cache in %s: %s", folder, err)
+            return None
 
     def clear_cache(self, folder: str, confirmed: bool) -> str:
         """Delete the compiled models on disk if ``confirmed``; returns the new size text."""
@@ -266,5 +293,5 @@ def _run_report(
         "switches": list(switches),
         "lora_changes": {label: networks for label, networks in lora_changes},
         **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
-                                               "run_seconds")},
+                                               "convert_seconds", "run_seconds", "released")},
     }

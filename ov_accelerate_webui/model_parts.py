@@ -227,6 +227,12 @@ def find_targets(model: Any, parts: tuple[str, ...]) -> list[Target]:
     return targets
 
 
+def checkpoint_label(model: Any) -> str:
+    """The loaded checkpoint as A1111 names it in its dropdown ("name.safetensors [hash]")."""
+    title = getattr(getattr(model, "sd_checkpoint_info", None), "title", None)
+    return str(title) if title else checkpoint_key(model)
+
+
 def checkpoint_key(model: Any) -> str:
     """Identity of the loaded checkpoint: its file and hash (A1111 ``sd_checkpoint_info``)."""
     info = getattr(model, "sd_checkpoint_info", None)

@@ -56,6 +56,12 @@ def run_status(
         f"{int(stats.get('ov_calls', 0))} OpenVINO calls, {int(stats.get('eager_calls', 0))} PyTorch "
         f"calls; cache hits {int(stats.get('cache_hits', 0))}."
     )
+    released = int(stats.get("released", 0))
+    if released:
+        lines.append(
+            f"Released {released} compiled model(s) no call of this generation used (other sizes or weights), "
+            "to keep memory down (using one again compiles it again)."
+        )
     fallbacks: dict[str, str] = {}
     for report in reports:
         fallbacks.update(report.fallback_ops)

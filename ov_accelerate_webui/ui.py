@@ -51,6 +51,15 @@ EXTRA_CONTROLS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Settings-tab option: keep the compiled models of every size in memory, not only the last generation's.
+KEEP_SIZES_OPTION = OPTION_PREFIX + "keep_all_sizes"
+KEEP_SIZES_LABEL = (
+    "Keep every compiled size in memory (a size seen before never compiles again, but each one holds its "
+    "own copy of the weights: about 1.7 GB for an SD 1.5 UNet at bf16, 3.4 GB at f32). Off: the sizes of "
+    "the last generation stay compiled, another costs a compile of seconds, never a conversion."
+)
+
+
 def option_key(name: str) -> str:
     """Settings-tab key of a settings field, e.g. "openvino_device"."""
     return OPTION_PREFIX + name
@@ -276,3 +285,4 @@ def add_settings_section(extension: Any) -> None:
             kwargs = {"component": gr.Radio, "component_args": {"choices": list(PRECISIONS)}}
         label = f"{f.metadata['label']} (default of the panel)"
         host.add_option(option_key(f.name), getattr(DEFAULTS, f.name), label, SECTION, **kwargs)
+    host.add_option(KEEP_SIZES_OPTION, False, KEEP_SIZES_LABEL, SECTION)

@@ -90,6 +90,37 @@ def test_checkpoint_change(fake_host: Any, extension: Any, f32: Any) -> None:
     assert not any(routed_modules(fake_host.model).values()) and not any(routed_modules(other).values())
 
 
+def test_a_checkpoint_loaded_in_place_keeps_the_routes(fake_host: Any, extension: Any, tmp_path: Any) -> None:
+    """A1111 loads a checkpoint of the same architecture into the model it has: nothing is captured again,
+    each checkpoint's picture is stock's, and going back to the first is a disk-cache hit, not a conversion."""
+    from ov_accelerate_webui.settings import build_settings
+
+    settings = build_settings({"precision": "f32", "vae": False, "text_encoder": False,
+                               "cache_dir": str(tmp_path / "cache")})
+    sd_models = fake_host.sd_models
+    info_a = fake_host.model.sd_checkpoint_info
+    first = extension.run(make_p(fake_host), settings)
+    backend = extension.accelerator().prepare(fake_host.model, settings, "unused", window="continue").backend
+    graphs = len(backend.reports)
+    info_b = sd_models.CheckpointInfo(str(tmp_path / "same-arch.ckpt"), "c" * 64, config=info_a.config,
+                                      factory=lambda: fake_host.make_model(seed=11)).register()
+
+    model = sd_models.reload_model_weights(info=info_b)
+    assert model is fake_host.model, "the fake host loads a same-config checkpoint in place, as A1111 does"
+    baseline = fake_host.processing.process_images(make_p(fake_host))
+    assert max_pixel_diff(baseline, first) > IMAGE_TOLERANCE, "another checkpoint, another picture"
+    switched = extension.run(make_p(fake_host), settings)
+    assert max_pixel_diff(switched, baseline) <= IMAGE_TOLERANCE
+    assert extension.accelerator().prepare(model, settings, "unused", window="continue").backend is backend
+
+    sd_models.reload_model_weights(info=info_a)
+    back = extension.run(make_p(fake_host), settings)
+    assert max_pixel_diff(back, first) <= IMAGE_TOLERANCE
+    report = extension.last_run_report()
+    assert report["convert_seconds"] == 0, report["status"]  # from the disk cache, or the model converted before
+    assert len(backend.reports) > graphs
+
+
 def test_unchecked_parts_stay_in_pytorch(fake_host: Any, extension: Any, f32: Any) -> None:
     seen: list[dict[str, bool]] = []
     fake_host.callbacks.on_cfg_denoiser(lambda params: seen.append(routed_modules(fake_host.model)))

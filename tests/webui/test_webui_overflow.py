@@ -79,6 +79,9 @@ class Overflowing:
     def reset(self) -> None:
         self._inner.reset()
 
+    def start_window(self) -> None:
+        self._inner.start_window()
+
 
 @pytest.fixture
 def overflowing(fake_host: SimpleNamespace, backend_api: Any) -> Iterator[Callable[..., tuple[Extension, dict]]]:

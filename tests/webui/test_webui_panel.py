@@ -137,6 +137,11 @@ def test_precompile_reports_progress_and_ready_sizes(fake_host: Any, extension: 
     processed = extension.run(make_p(fake_host), f32)
     assert "No new compile" in processed.comments
     assert list(handlers.precompile("64x65", 1, *args))[0][0].startswith("Failed: Size '64x65'")
+    # several sizes are one use window: each stays compiled for the batch job that follows
+    assert list(handlers.precompile("64x64, 96x64, 64x96", 1, *args))[-1][0] == "Ready: 64x64, 96x64, 64x96."
+    for width, height in ((64, 64), (96, 64), (64, 96)):
+        processed = extension.run(make_p(fake_host, width=width, height=height), f32)
+        assert "No new compile" in processed.comments, processed.comments
 
 
 def test_two_threads_share_compiled_models_safely(fake_host: Any, extension: Extension, f32: Any) -> None:
@@ -197,3 +202,32 @@ def test_last_run_and_ready_sizes_follow_each_generation(fake_host: Any, extensi
     extension._set_last_run({"accelerated": True, "status": "OpenVINO (CPU, UNet+VAE+TE, auto) on CPU: ..."})
     status, ready = demo.fns[demo.dependencies.index(bound[0])].fn()
     assert status == extension.last_status and ready == "No size compiled yet for this checkpoint."
+
+
+def test_cache_size_is_shown_per_checkpoint(
+    fake_host: Any, extension: Extension, backend_api: BackendApi, tmp_path: Path
+) -> None:
+    """Entries a generation stored are counted under its checkpoint; others are "not attributed"; a
+    broken index only loses the labels."""
+    from ov_accelerate_webui import cache_owners
+    from ov_accelerate_webui.settings import build_settings
+
+    cache_dir = tmp_path / "cache"
+    other = backend_api.backend_class(backend_api.build_settings({"model_caching": True, "cache_dir": str(cache_dir)}))
+    torch.compile(torch.nn.Linear(4, 4), backend=other)(torch.randn(2, 4))  # an entry no generation made
+    settings = build_settings({"precision": "f32", "cache_dir": str(cache_dir)})
+    extension.run(make_p(fake_host), settings)
+
+    title = fake_host.model.sd_checkpoint_info.title
+    sizes = dict((owner, (size, count)) for owner, size, count in cache_owners.sizes_by_checkpoint(
+        cache_dir, backend_api.model_cache(str(cache_dir))))
+    assert set(sizes) == {title, "not attributed"}
+    entries = backend_api.model_cache(str(cache_dir)).entries()
+    assert sum(size for size, _count in sizes.values()) == sum(e.size_bytes for e in entries)
+    assert sizes[title][1] >= 3  # the UNet, the VAE decoder and the text encoder at least
+    text = PanelHandlers(extension).refresh(str(cache_dir))[0]
+    assert f"By checkpoint: {title} " in text and "not attributed" in text, text
+
+    (cache_dir / cache_owners.INDEX_NAME).write_text("{not json")
+    text = PanelHandlers(extension).refresh(str(cache_dir))[0]
+    assert title not in text and "not attributed" in text

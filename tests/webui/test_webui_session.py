@@ -1,8 +1,9 @@
 """One WebUI session with one SD1 checkpoint and many generations, as a user runs them: batch size and
 batch count with a prompt longer than 75 tokens, hires fix, img2img at an odd size, sizes seen before
-(no compile), Skip and Interrupt inside a batch count, the HTTP API with ``script_args`` in ``ui()``
-order, and the panel's buttons beside a running generation. The tests share one extension (compiled
-models outlive a generation, as in the WebUI); each also works alone.
+(no conversion; no compile for the last generation's), Skip and Interrupt inside a batch count, the
+HTTP API with ``script_args`` in ``ui()`` order, and the panel's buttons beside a running generation.
+The tests share one extension (compiled models outlive a generation, as in the WebUI); each also works
+alone.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def img2img(host: SimpleNamespace, **kwargs: Any) -> Any:
 
 def compiles(ext: Any, host: SimpleNamespace, settings: Any) -> int:
     """OpenVINO compiles the backend made so far (``stats()["compiles"]``)."""
-    backend = ext.accelerator().prepare(host.shared.sd_model, settings, "unused").backend
+    backend = ext.accelerator().prepare(host.shared.sd_model, settings, "unused", window="continue").backend
     return int(backend.stats()["compiles"])
 
 
@@ -131,7 +132,7 @@ def test_img2img_at_an_odd_latent_size(host: Any, ext: Any, settings: Any) -> No
     assert calls(ext.last_status, "first_stage_model.encoder") == 1, "the VAE encode is routed too"
 
 
-def test_returning_to_sizes_seen_before_costs_no_compile(host: Any, ext: Any, settings: Any) -> None:
+def test_returning_to_sizes_seen_before_costs_no_conversion(host: Any, ext: Any, settings: Any) -> None:
     jobs = [
         lambda: txt2img(host, prompt=LONG_PROMPT, batch_size=2, n_iter=2),
         lambda: txt2img(host, enable_hr=True, hr_scale=1.5, denoising_strength=0.5),
@@ -139,14 +140,42 @@ def test_returning_to_sizes_seen_before_costs_no_compile(host: Any, ext: Any, se
         lambda: txt2img(host),
     ]
     first = [ext.run(job(), settings) for job in jobs]  # compiles whatever the tests above did not
-    before = compiles(ext, host, settings)
+    backend = ext.accelerator().prepare(host.shared.sd_model, settings, "unused", window="continue").backend
+    converted = backend.stats()["convert_seconds"]
 
     again = [ext.run(job(), settings) for job in reversed(jobs)]
 
-    assert compiles(ext, host, settings) == before, "each size compiles once; coming back costs nothing"
-    assert "No new compile" in ext.last_status
+    # each generation keeps in memory the compiled models it uses: those of other sizes were released
+    # and are compiled again from the conversion the backend keeps, never converted again
+    assert backend.stats()["convert_seconds"] == converted
+    assert backend.stats()["released"] > 0
+    assert any("Released" in line for line in ext.last_status.splitlines()), ext.last_status
     for a, b in zip(first, reversed(again)):
         assert max_pixel_diff(a, b) == 0
+    # within a generation (hires fix, batch count, cond and uncond) and for the same job again: no compile
+    before = compiles(ext, host, settings)
+    repeat = ext.run(jobs[-1](), settings)
+    assert compiles(ext, host, settings) == before, "the last generation's sizes stay compiled"
+    assert "No new compile" in ext.last_status
+    assert max_pixel_diff(repeat, again[0]) == 0
+
+
+def test_keeping_every_size_in_memory_makes_returning_free(host: Any, ext: Any, settings: Any) -> None:
+    """The Settings tab's "keep every compiled size": a size seen before never compiles again."""
+    from ov_accelerate_webui.ui import KEEP_SIZES_OPTION
+
+    jobs = [lambda: txt2img(host), lambda: txt2img(host, width=72), lambda: img2img(host)]
+    setattr(host.shared.opts, KEEP_SIZES_OPTION, True)
+    try:
+        for job in jobs:
+            ext.run(job(), settings)
+        before = compiles(ext, host, settings)
+        for job in reversed(jobs):
+            ext.run(job(), settings)
+            assert "No new compile" in ext.last_status, ext.last_status
+        assert compiles(ext, host, settings) == before
+    finally:
+        setattr(host.shared.opts, KEEP_SIZES_OPTION, False)
 
 
 def test_skip_and_interrupt_inside_a_batch_count(host: Any, ext: Any, settings: Any) -> None:
