@@ -186,14 +186,16 @@ class Scenario:
             if mode != "stock":
                 status = self.ui.status()
                 record.update({k: status.get(k) for k in ("accelerated", "compiles", "compile_seconds",
-                                                          "run_seconds", "cache_hits", "ov_calls", "eager_calls")})
+                                                          "convert_seconds", "released", "run_seconds", "cache_hits",
+                                                          "ov_calls", "eager_calls")})
                 record["status"] = status.get("status", "")
         except (AssertionError, OSError, RuntimeError) as err:
             record["error"] = str(err)[:2000]
             logger.warning("%s / %s failed: %s", mode, row.key, str(err)[:300])
         record.update(self.ui.memory())
         logger.info("%s %-12s %s", mode, row.key, {k: record.get(k) for k in ("seconds", "s_per_it", "compile_seconds",
-                                                                              "cache_hits", "peak")})
+                                                                              "convert_seconds", "cache_hits",
+                                                                              "released", "peak")})
         self.results["rows"].append(record)
         self.progress(self.results)
         alive = self.ui.process is not None and self.ui.process.poll() is None
