@@ -7,6 +7,7 @@ share it, so a size compiled in one tab is ready in the other.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ from typing import Any
 
 from . import cache_owners, host
 from .accelerator import WINDOW_CONTINUE, WINDOW_NEW, WINDOW_OFF, Accelerator
+from .attention import FusedAttention
 from .backend_bridge import BackendApi, BackendUnavailable, backend_module, load_backend
 from .infotext import generation_params
 from .lora import changes_line
@@ -41,6 +43,7 @@ class Extension:
         self.ready = ReadySizes()
         self._last_run: dict[str, Any] = {"accelerated": False, "status": "No generation with OpenVINO yet."}
         self._session: RoutingSession | None = None
+        self._attention: FusedAttention | None = None
 
     # --- backend -------------------------------------------------------------------------------
     def api(self) -> BackendApi:
@@ -106,8 +109,11 @@ class Extension:
         with self._lock:
             self._session = session
         accelerator.lora_changes()  # from earlier runs: not this run's
+        attention = FusedAttention() if "unet" in settings.parts else None
+        with self._lock:
+            self._attention = attention
         try:
-            with session:
+            with attention or contextlib.nullcontext(), session:
                 processed = host.process_images(p)
         except BaseException as exc:  # A1111's NansException, an Interrupt, any error: the models are restored
             stopped = (f"The generation stopped with {type(exc).__name__}: {exc}. The WebUI's models were restored; "
@@ -116,12 +122,13 @@ class Extension:
             raise
         finally:
             with self._lock:
-                self._session = None
+                self._session = self._attention = None
         if cached_before is not None:
             cache_owners.record(cache_folder, self._cache_keys(cache_folder) - cached_before, checkpoint_label(model))
         calls, eager = session.calls(), session.eager()
         reports, stats = accelerator.reports_since(prepared), accelerator.stats_since(prepared)
-        status = run_status(settings, calls, reports, stats, switches=session.events, eager=eager, f32=session.f32())
+        status = run_status(settings, calls, reports, stats, switches=session.events, eager=eager, f32=session.f32(),
+                            attention=attention.replaced if attention else None)
         lora_changes = accelerator.lora_changes()
         if lora_changes:
             status += "\n" + changes_line(lora_changes, reports)
@@ -252,7 +259,9 @@ class Extension:
     def on_cfg_denoiser(self, params: Any) -> None:
         """Before each UNet step: route the loaded model if A1111 switched to it without a
         ``model_loaded`` callback (a model kept in memory, ``sd_checkpoints_limit`` > 1)."""
-        session = self._session
+        session, attention = self._session, self._attention
+        if attention is not None:
+            attention.ensure()  # a model load inside the generation applied the WebUI's attention again
         if session is not None:
             session.follow(host.loaded_model())
 

@@ -120,3 +120,20 @@ def txt2img_processing(**kwargs: Any) -> Any:
 def always_visible() -> Any:
     """``scripts.AlwaysVisible``."""
     return scripts().AlwaysVisible
+
+
+
+def imported_class(module_name: str, name: str) -> type | None:
+    """Class ``name`` of module ``module_name`` if that module is imported already (never imports it)."""
+    module = sys.modules.get(module_name)
+    cls = getattr(module, name, None) if module is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def attention_optimizers() -> tuple[list[Any], Any]:
+    """(A1111's available cross-attention optimizations, the one applied now), from ``modules.sd_hijack``;
+    ([], None) in a host without them."""
+    module = sys.modules.get("modules.sd_hijack")
+    if module is None:
+        return [], None
+    return list(getattr(module, "optimizers", []) or []), getattr(module, "current_optimizer", None)

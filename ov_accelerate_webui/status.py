@@ -29,6 +29,7 @@ def run_status(
     switches: Sequence[str] = (),
     eager: Mapping[str, tuple[int, str]] | None = None,
     f32: Mapping[str, tuple[F32Switch, bool]] | None = None,
+    attention: str | None = None,
 ) -> str:
     """What ran in OpenVINO, what fell back to PyTorch and why, compile vs run time, cache hits, device.
 
@@ -41,11 +42,18 @@ def run_status(
         eager: label of a routed module -> (calls torch.compile ran in plain PyTorch, why).
         f32: label of a routed module that ran at f32 at automatic precision -> (why, whether it switched
             during this run).
+        attention: the WebUI's cross-attention optimization the routed UNet's attention replaced by one
+            scaled-dot-product attention (None: none replaced).
     """
     reports = list(reports)
     devices = sorted({r.device for r in reports}) or [settings.device]
     parts = ", ".join(f"{label} ({_calls(count)})" for label, count in routed.items())
     lines = [f"OpenVINO ({settings.infotext()}) on {', '.join(devices)}: {parts or 'nothing routed'}."]
+    if attention:
+        lines.append(
+            f"Attention in the UNet: scaled dot product, fused by OpenVINO, in place of {attention} (the "
+            "WebUI's choice for PyTorch, kept for it)."
+        )
     if switches:
         lines.append("Model switches during the generation: " + "; ".join(switches) + ".")
     if eager:

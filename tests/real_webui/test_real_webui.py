@@ -166,6 +166,24 @@ def test_batch_size_times_batch_count(webui: WebUI) -> None:
     assert min(psnr(fast.images[0], other) for other in fast.images[1:]) < 30  # four different pictures
 
 
+def test_unet_attention_is_one_fused_attention_in_openvino_and_the_webuis_choice_stays(webui: WebUI) -> None:
+    """On a CPU A1111's "Automatic" attention is InvokeAI, whose slicing OpenVINO cannot convert with dynamic
+    shapes at full size: while the UNet is routed its attention is A1111's own "sdp" forward, and stock
+    generations before and after keep the WebUI's choice."""
+    payload = perturbed(request("a tram in the rain"), "attention", 0.0)
+    before = webui.generate(payload)
+    fast = webui.generate(accelerated(dict(payload, override_settings=dict(payload["override_settings"],
+                                                                             sdxl_crop_top=next(_unique)))))
+    fast.status = webui.status()
+    after = webui.generate(dict(payload, override_settings=dict(payload["override_settings"], sdxl_crop_top=0)))
+    assert "ovtest attention: split_cross_attention_forward_invokeAI" in before.infotexts[0]
+    assert "ovtest attention: scaled_dot_product_attention_forward" in fast.infotexts[0]
+    assert "ovtest attention: split_cross_attention_forward_invokeAI" in after.infotexts[0]
+    assert "in place of InvokeAI" in fast.status["status"], fast.status["status"]
+    assert psnr(before.images[0], after.images[0]) == math.inf
+    assert_matches(webui, "UNet attention fused (stock: InvokeAI)", before, fast)
+
+
 def test_long_prompt_with_emphasis_and_break(webui: WebUI) -> None:
     words = ", ".join(f"(detail {i}:1.{i % 5 + 1})" if i % 3 == 0 else f"[thing {i}]" for i in range(60))
     stock, fast = run_both(webui, request(f"a city at night, {words} BREAK neon lights"))

@@ -4,7 +4,9 @@ It shows that a picture comparison could fail: with the UNet's, the VAE's or the
 perturbed by a small relative error, the picture must move beyond the tier's PSNR bound. It is also the
 "other always-on script" whose arguments follow ours in an API request. Arguments (API
 ``alwayson_scripts``: ``{"ovtest perturb": {"args": [part, relative_std]}}``): part is "", "unet",
-"vae" or "te"; relative_std is the noise's standard deviation relative to the output's.
+"vae" or "te"; relative_std is the noise's standard deviation relative to the output's. Part "attention"
+perturbs nothing: it writes the name of the UNet's attention forward in use while the generation runs into
+the infotext ("ovtest attention").
 """
 
 import gradio as gr
@@ -34,6 +36,11 @@ class OvtestPerturb(scripts.Script):
 
     def process(self, p, part="", relative_std=0.0, *args):
         self._saved = None
+        if part == "attention":
+            from ldm.modules.attention import CrossAttention
+
+            p.extra_generation_params["ovtest attention"] = CrossAttention.forward.__name__
+            return
         if not part or not relative_std:
             return
         module, method = _targets(p.sd_model, part)
