@@ -27,10 +27,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-KINDS: tuple[str, ...] = ("eager", "ov_backend", "static", "stock")
+#: "ov_dynamic" is ov_backend with the inputs' varying dimensions marked dynamic before the first call,
+#: as the WebUI adapter does: the route the WebUI's parts take (one conversion, a reshape per size)
+KINDS: tuple[str, ...] = ("eager", "ov_backend", "ov_dynamic", "static", "stock")
 PRECISIONS: tuple[str, ...] = ("auto", "f32")
 #: kinds whose compiled models can come from a disk cache in a later process
-CACHEABLE: frozenset[str] = frozenset({"ov_backend", "stock"})
+CACHEABLE: frozenset[str] = frozenset({"ov_backend", "ov_dynamic", "stock"})
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,18 @@ def _stock(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching:
     return Prepared(lambda *inputs: _first_tensor(compiled(*inputs)), {"options": options}, finish)
 
 
+def mark_varying(inputs: Sequence[Any]) -> None:
+    """Mark the dimensions that vary between generations dynamic, as the WebUI adapter does: the batch
+    of every tensor, and height and width of 4-D ones (dimensions of size 1 stay static: dynamo
+    specialises them)."""
+    for tensor in inputs:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            continue
+        for dim in ((0, 2, 3) if tensor.dim() == 4 else (0,)):
+            if tensor.shape[dim] > 1:
+                torch._dynamo.mark_dynamic(tensor, dim)
+
+
 def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching: bool,
                 dynamic: bool | None) -> Prepared:
     from ov_backend import OVBackend
@@ -140,6 +154,12 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
     backend = OVBackend({"device": "CPU", "model_caching": caching, "cache_dir": str(cache_dir),
                          "config": spec.config})
     compiled = torch.compile(module, backend=backend, dynamic=dynamic)
+    marked = spec.kind == "ov_dynamic"
+
+    def call(*inputs: torch.Tensor) -> torch.Tensor:
+        if marked:
+            mark_varying(inputs)
+        return _first_tensor(compiled(*inputs))
 
     def finish() -> dict[str, Any]:
         return {"reports": [r.summary() for r in backend.reports], "stats": backend.stats(),
@@ -151,7 +171,7 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
                 "convert": stats["convert_seconds"], "ov_compile": stats["ov_compile_seconds"],
                 "run": stats["run_seconds"], "cache_hits": stats["cache_hits"]}
 
-    return Prepared(lambda *inputs: _first_tensor(compiled(*inputs)), {}, finish, split)
+    return Prepared(call, {}, finish, split)
 
 
 def _static(module: torch.nn.Module, spec: VariantSpec, inputs: Sequence[torch.Tensor]) -> Prepared:
@@ -193,6 +213,6 @@ def prepare(spec: VariantSpec, module: torch.nn.Module, inputs: Sequence[torch.T
         return _eager(module)
     if spec.kind == "stock":
         return _stock(module, spec, cache_dir, caching)
-    if spec.kind == "ov_backend":
+    if spec.kind in ("ov_backend", "ov_dynamic"):
         return _ov_backend(module, spec, cache_dir, caching, dynamic)
     return _static(module, spec, inputs)

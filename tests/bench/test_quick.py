@@ -75,3 +75,18 @@ def test_settings_reject_bad_values():
         build_settings({"round": 3})
     assert build_settings({"quick": True}).size == 64
     assert build_settings({"variants": ["static/f32", "eager"]}).variants == ("eager", "static/f32")
+
+
+@pytest.mark.slow
+def test_quick_dynamic_variant_takes_the_webuis_route(tmp_path):
+    """ov_dynamic marks batch, height and width dynamic before the first call, as the WebUI adapter does:
+    its UNet is converted once with dynamic shapes (the "dynamic" route), and matches ov_backend's result."""
+    results, table = _run(tmp_path, "--components", "unet", "--only", "components", "--variants", "eager",
+                          "ov_backend/f32", "ov_dynamic/f32", "static/f32")
+    variants = results["components"]["unet"]["variants"]
+    dynamic = variants["ov_dynamic/f32"]
+    assert dynamic["errors"] == [] and dynamic["finite"] is True
+    assert any(": dynamic on CPU" in r for r in dynamic["info"]["reports"]), dynamic["info"]
+    assert not any(": dynamic on CPU" in r for r in variants["ov_backend/f32"]["info"]["reports"])
+    assert dynamic["rel_l2_vs_eager"] < 1e-4
+    assert "| ov_dynamic/f32 |" in table
