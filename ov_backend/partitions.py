@@ -84,15 +84,16 @@ class StaticBuild:
             leave_out: set[str] = set()
             # a graph that is one partition is cached under the graph's own key: the next process
             # finds it without tracing
-            covers = (not support.rejected and covers_whole_graph(graph, names)
-                      and self.inputs.outputs_are_tensors())
+            order = whole_graph_order(graph, names) if not support.rejected else None
+            covers = order is not None and self.inputs.outputs_are_tensors()
             small = {name: aten_op_count(graph.get_submodule(name)) for name in names}
             small = {name: ops for name, ops in small.items() if ops < self.context.settings.min_partition_ops}
             for name in names:
                 if name in small:
                     report.partitions.append(PartitionReport(name, ops=small[name], in_openvino=False))
                     continue
-                outcome = self._convert_and_compile(graph, name, fingerprint, whole_key if covers else None, covers)
+                outcome = self._convert_and_compile(graph, name, fingerprint, whole_key if covers else None,
+                                                    order if covers else None)
                 if not (isinstance(outcome, convert.ConversionError) and outcome.unconverted):
                     continue
                 # ops the partition holds can be left to PyTorch by partitioning again
@@ -143,9 +144,10 @@ class StaticBuild:
                           f"({err}; {why})", err)
 
     def _convert_and_compile(self, graph: torch.fx.GraphModule, name: str, fingerprint: str,
-                             key: str | None = None, whole: bool = False) -> convert.ConversionError | None:
+                             key: str | None = None, whole: list[int] | None = None) -> convert.ConversionError | None:
         """Convert and compile partition ``name`` and put it in ``graph`` (cached under ``key``); ``whole``:
-        the partition is the whole graph, its converted model is kept in :attr:`whole_model`.
+        the partition is the whole graph, and this is the partition output each graph output is; its
+        converted model, with its outputs in the graph's order, is kept in :attr:`whole_model`.
 
         Returns the error of a conversion the frontend refused for unconverted ops, which the caller
         handles (partition again, or keep the partition in PyTorch); other failures are reported
@@ -161,7 +163,10 @@ class StaticBuild:
             key = context.key("partition", name, fingerprint, {
                 "code": sub.code, "constants": weights.fingerprint(list(sub.buffers()), context.digests),
                 "inputs": [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"]})
-        model: ov.Model | Path | None = context.cache_file(key) if key else None
+        reordered = whole is not None and whole != list(range(len(whole)))
+        # a whole-graph entry holds the outputs in the graph's order, not the partition's: only the
+        # whole-graph route reads it (here it is converted again)
+        model: ov.Model | Path | None = context.cache_file(key) if key and not reordered else None
         part.cache_hit = model is not None
         if model is None:
             start = time.perf_counter()
@@ -176,11 +181,18 @@ class StaticBuild:
                              err)
                 return err
             part.convert_seconds = time.perf_counter() - start
-            if whole:
-                self.whole_model = model
+            graph_model = model
+            if whole is not None:
+                if reordered:  # the graph's outputs in its own order: the model stands for the graph as it is
+                    results = model.get_results()
+                    graph_model = ov.Model([results[k] for k in whole], model.get_parameters(),
+                                           model.get_friendly_name())
+                self.whole_model = graph_model
             if key:
                 # compiled from its cache file, OpenVINO's blob is found again by the next process
-                model = context.cache_store(key, model, f"{self.name} {name} {report.signature}") or model
+                stored = context.cache_store(key, graph_model, f"{self.name} {name} {report.signature}")
+                if not reordered:
+                    model = stored or model
         try:
             compiled = context.compile(model, part)
         except RuntimeError as err:
@@ -210,24 +222,29 @@ def ops_in(graph: torch.fx.GraphModule, name: str, reported: Sequence[str]) -> s
             if node.op == "call_function" and (node_op_name(node) in wanted or str(node.target) in wanted)}
 
 
-def covers_whole_graph(graph: torch.fx.GraphModule, names: Sequence[str]) -> bool:
-    """True when one partition takes every graph input in order and gives every output in order."""
+def whole_graph_order(graph: torch.fx.GraphModule, names: Sequence[str]) -> list[int] | None:
+    """When one partition takes every graph input in order and gives every output: which partition
+    output each graph output is (dynamo may order them differently). None otherwise."""
     if len(names) != 1:
-        return False
+        return None
     nodes = list(graph.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     calls = [n for n in nodes if n.op == "call_module"]
     if len(calls) != 1 or list(calls[0].args) != placeholders or calls[0].kwargs:
-        return False
+        return None
     call = calls[0]
     outputs = next(n for n in nodes if n.op == "output").args[0]
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-    for position, out in enumerate(outputs):
-        if out is call and len(outputs) == 1:
-            continue
+    if len(outputs) == 1 and outputs[0] is call:
+        return [0]
+    order = []
+    for out in outputs:
         if not (isinstance(out, torch.fx.Node) and out.op == "call_function" and out.target is operator.getitem
-                and out.args[0] is call and out.args[1] == position):
-            return False
+                and out.args[0] is call and isinstance(out.args[1], int)):
+            return None
+        order.append(out.args[1])
+    if sorted(order) != list(range(len(order))):
+        return None  # an output given twice, or one the graph does not return
     extra = [n for n in nodes
              if n.op == "call_function" and not (n.target is operator.getitem and n.args[0] is call)]
-    return not extra
+    return None if extra else order

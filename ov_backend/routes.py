@@ -219,6 +219,10 @@ class GraphBuilder:
             changed = live.check(weight_values, weights.digests(weight_values, context.digests))
             if changed is not None:
                 part = PartitionReport("graph", ops=self.inputs.op_count, reused=True, weights_changed=changed)
+                if changed and whole_key is not None:
+                    # stored for these weights too (its constants are the tensors: it writes their values
+                    # now), so the next process finds the graph without tracing it
+                    context.cache_store(whole_key, live.model, f"{self.name} whole {report.signature}")
                 variant = self._whole_graph_variant(live.model, part, report)
                 if variant is not None:
                     return variant

@@ -271,3 +271,50 @@ def test_a_failed_dynamic_conversion_is_not_tried_again(tmp_path, monkeypatch):
     assert len(tries) == 1 and second.reports[-1].route == "static"
     first.cache.clear()
     assert not (tmp_path / "cache" / "conversion-failures.json").exists()
+
+
+def _clip_encoder() -> torch.nn.Module:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    config = CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2)
+    return CLIPTextModel(config).eval().text_model.encoder
+
+
+def _encode(compiled, encoder, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The encoder called as A1111 calls it (all hidden states: dynamo returns them in another order
+    than the partition gives them); every output compared with eager."""
+    with torch.no_grad():
+        got = compiled(inputs_embeds=x, causal_attention_mask=mask, output_hidden_states=True)
+        want = encoder(inputs_embeds=x, causal_attention_mask=mask, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == 4
+    for g, w in zip((got.last_hidden_state, *got.hidden_states), (want.last_hidden_state, *want.hidden_states)):
+        torch.testing.assert_close(g, w, atol=F32_ATOL, rtol=F32_RTOL)
+    return got.hidden_states
+
+
+def test_a_static_whole_graph_with_reordered_outputs_follows_a_weight_change_without_converting(tmp_path):
+    """The text encoder at batch 1 (static route): one partition whose outputs dynamo orders differently
+    from the graph's. It is kept as a whole-graph model in the graph's order, so a LoRA-like change is a
+    compile, and a new process reads it from the disk cache without tracing."""
+    from ov_backend import OVBackend
+
+    options = {"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")}
+    encoder = _clip_encoder()
+    x, mask = torch.randn(1, 77, 32), torch.full((77, 77), float("-inf")).triu(1)[None, None]
+    first = OVBackend(options)
+    compiled = torch.compile(encoder, backend=first)
+    _encode(compiled, encoder, x, mask)
+    assert first.reports[-1].route == "static"
+    converted = first.stats()["convert_seconds"]
+    with torch.no_grad():
+        encoder.layers[1].self_attn.q_proj.weight.add_(0.05)  # A1111's LoRA writes in place
+        encoder.layers[2].mlp.fc1.weight.mul_(1.2)
+    _encode(compiled, encoder, x, mask)
+    assert first.stats()["convert_seconds"] == converted, first.reports[-1].summary()
+    assert "conversion reused for the new weights" in first.reports[-1].summary()
+
+    torch._dynamo.reset()  # a new process: the whole-graph entry, in the graph's output order
+    second = OVBackend(options)
+    _encode(torch.compile(encoder, backend=second), encoder, x, mask)
+    assert second.reports[-1].cache_hit and second.stats()["trace_seconds"] == 0
