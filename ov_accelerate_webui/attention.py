@@ -53,6 +53,8 @@ class FusedAttention:
             _put_back(others)  # "sdp" also replaces the VAE's AttnBlock: that stays the user's choice
             _put_back(saved)
         self._saved, self._fused, self.replaced = saved, fused, str(current_name)
+        logger.info("Accelerate with OpenVINO: the routed UNet's attention is scaled dot product in place of %s "
+                    "for this generation", self.replaced)
         self.ensure()
         return self
 

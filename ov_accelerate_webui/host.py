@@ -122,7 +122,6 @@ def always_visible() -> Any:
     return scripts().AlwaysVisible
 
 
-
 def imported_class(module_name: str, name: str) -> type | None:
     """Class ``name`` of module ``module_name`` if that module is imported already (never imports it)."""
     module = sys.modules.get(module_name)
