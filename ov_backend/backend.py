@@ -7,6 +7,7 @@ options={...})`` builds an instance for each captured graph from the options.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import threading
@@ -22,8 +23,10 @@ from ov_backend.compiled import CompiledGraph
 from ov_backend.context import BuildContext
 from ov_backend.inputs import InputKind, classify_inputs
 from ov_backend.ops import decomposition_table
+from ov_backend.precision import PRECISION_CONFIG
 from ov_backend.report import CompileReport, Stats
 from ov_backend.settings import BackendSettings, build_settings
+from ov_backend.variants import UseWindow
 from ov_backend.weights import DigestMemo
 
 logger = logging.getLogger(__name__)
@@ -46,24 +49,43 @@ class OVBackend:
             :func:`build_settings`.
     """
 
-    def __init__(self, settings: BackendSettings | Mapping[str, Any] | None = None) -> None:
+    def __init__(self, settings: BackendSettings | Mapping[str, Any] | None = None, *,
+                 share_with: OVBackend | None = None) -> None:
         self.settings = settings if isinstance(settings, BackendSettings) else build_settings(settings)
-        self.core = ov.Core()
-        self.cache = ModelCache(self.settings.cache_dir)
-        self.stats_counter = Stats()
-        self.versions = {"openvino": ov.get_version(), "torch": torch.__version__,
-                         "ov_backend": _version("sd-webui-openvino-accelerate")}
-        #: per-tensor weight digests, shared by every graph of this backend: each weight is hashed
-        #: once while it stays unchanged (cleared by reset())
-        self.digests = DigestMemo()
-        self._lock = threading.Lock()
-        self._reports: list[CompileReport] = []
-        self._graphs: list[CompiledGraph] = []
+        if share_with is not None:
+            # one backend's state under other settings (see derived())
+            self.core, self.cache, self.stats_counter = share_with.core, share_with.cache, share_with.stats_counter
+            self.versions, self.digests = share_with.versions, share_with.digests
+            self._lock, self._reports, self._graphs = share_with._lock, share_with._reports, share_with._graphs
+            window = share_with.build_context.window
+        else:
+            self.core = ov.Core()
+            self.cache = ModelCache(self.settings.cache_dir)
+            self.stats_counter = Stats()
+            self.versions = {"openvino": ov.get_version(), "torch": torch.__version__,
+                             "ov_backend": _version("sd-webui-openvino-accelerate")}
+            #: per-tensor weight digests, shared by every graph of this backend: each weight is hashed
+            #: once while it stays unchanged (cleared by reset())
+            self.digests = DigestMemo()
+            self._lock = threading.Lock()
+            self._reports: list[CompileReport] = []
+            self._graphs: list[CompiledGraph] = []
+            window = UseWindow()
         #: what compiled graphs see of this backend (compile_model is looked up here, so that a
         #: subclass's override is used)
         self.build_context = BuildContext(self.settings, self.core, self.cache, self.stats_counter,
                                     compile_model=self.compile_model, add_report=self.add_report,
-                                    digests=self.digests, versions=self.versions)
+                                    digests=self.digests, versions=self.versions, window=window)
+
+    def derived(self, precision: str) -> OVBackend:
+        """A backend at another precision that shares this one's state: cache, counters, reports, weight
+        digests, use windows and compiled graphs (so :meth:`reset`, :meth:`calibrate` and :meth:`stats`
+        of either cover both). E.g. the UNet at "int8" beside the VAE at "auto"."""
+        options = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)}
+        config = dict(self.settings.config)
+        for key in PRECISION_CONFIG[self.settings.precision]:
+            config.pop(key, None)
+        return type(self)(build_settings({**options, "config": config, "precision": precision}), share_with=self)
 
     # -- dynamo entry -------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -134,6 +156,14 @@ class OVBackend:
                            model, err)
             config.pop("CACHE_DIR")
             return self.core.compile_model(str(model), self.settings.device, config)
+
+    def calibrate(self) -> int:
+        """At precision "int8": quantize now every graph whose calls were recorded at float, without
+        waiting for ``calibration_samples`` calls (e.g. at the end of a generation); returns how many
+        models were quantized. Each takes NNCF about two float calls per recorded call."""
+        with self._lock:
+            graphs = list(self._graphs)
+        return sum(graph.calibrate() for graph in graphs)
 
     def start_window(self) -> None:
         """Start a use window: from now on, a graph that builds a model first releases its compiled

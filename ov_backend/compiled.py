@@ -95,4 +95,13 @@ class CompiledGraph:
             result = variant.run(user_values)
         self.context.stats.add(run_seconds=time.perf_counter() - start,
                                **({"ov_calls": 1} if variant.in_openvino else {"eager_calls": 1}))
+        if variant.calibration is not None and variant.calibration.full:
+            self.calibrate()  # at precision "int8": enough calls recorded, quantize now
         return result
+
+    def calibrate(self) -> int:
+        """At precision "int8": quantize the models whose calls were recorded (for the current weights);
+        returns how many were quantized. Their next calls run the INT8 models."""
+        with self._lock:
+            store = self._weights.current_store()
+            return self._builder.quantize(store) if store is not None else 0

@@ -14,11 +14,15 @@ logger = logging.getLogger(__name__)
 
 #: Precision name -> the ``compile_model`` properties it sets. "auto": the plugin picks (bf16 or f16
 #: where the device has it; results differ slightly from PyTorch); "f32": f32 inference, which
-#: matches PyTorch closely.
+#: matches PyTorch closely; "int8": weights and activations quantized to 8 bits with NNCF, calibrated
+#: on the graph's first calls (which run at "auto"), the rest at the plugin's choice as for "auto".
 PRECISION_CONFIG: dict[str, dict[str, str]] = {
     "auto": {},
     "f32": {"INFERENCE_PRECISION_HINT": "f32"},
+    "int8": {},
 }
+#: Precisions whose models are quantized after calibration (see :mod:`ov_backend.quantize`).
+QUANTIZED_PRECISIONS: frozenset[str] = frozenset({"int8"})
 #: The names, in the order a choice lists them (the default first).
 PRECISIONS: tuple[str, ...] = tuple(PRECISION_CONFIG)
 DEFAULT_PRECISION = PRECISIONS[0]

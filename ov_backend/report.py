@@ -22,6 +22,9 @@ class PartitionReport:
             them from the tensors was compiled again (see :mod:`ov_backend.live`).
         execution_devices: the devices OpenVINO actually runs it on (what "AUTO" chose).
         precision: the inference precision the plugin uses ("f32", "bf16", ...).
+        quantized: the model is the INT8 one (weights and activations at 8 bits, see :mod:`ov_backend.quantize`).
+        quantize_seconds: time NNCF took to quantize it (0 when it came from the cache or was quantized earlier).
+        calibration_samples: how many recorded calls it was calibrated on (0 when it came from the cache).
     """
 
     name: str
@@ -34,6 +37,9 @@ class PartitionReport:
     weights_changed: bool = False
     execution_devices: tuple[str, ...] = ()
     precision: str = ""
+    quantized: bool = False
+    quantize_seconds: float = 0.0
+    calibration_samples: int = 0
 
 
 @dataclass
@@ -44,12 +50,14 @@ class CompileReport:
         graph: a name for the graph ("graph 0" ...).
         signature: the input shapes and dtypes.
         route: "static" (traced for this signature), "dynamic" (one conversion, reshaped per
-            shape) or "eager" (all of it in PyTorch).
+            shape), "eager" (all of it in PyTorch) or "int8" (quantizing a float model).
         device: the OpenVINO device.
         partitions: the OpenVINO partitions.
         fallback_ops: op name -> why it ran in PyTorch.
         warnings: fallbacks of whole partitions or graphs, with their reasons.
         trace_seconds: time to trace the graph to aten ops.
+        calibrating: at precision "int8", with no INT8 model yet: how many calls run at float and are
+            recorded for calibration before quantizing (0 otherwise).
     """
 
     graph: str
@@ -60,6 +68,12 @@ class CompileReport:
     fallback_ops: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     trace_seconds: float = 0.0
+    calibrating: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        """The variant runs an INT8 model."""
+        return any(p.quantized and p.in_openvino for p in self.partitions)
 
     @property
     def convert_seconds(self) -> float:
@@ -81,7 +95,10 @@ class CompileReport:
     @property
     def precisions(self) -> tuple[str, ...]:
         """The inference precisions of the OpenVINO partitions."""
-        return tuple(sorted({p.precision for p in self.partitions if p.in_openvino and p.precision}))
+        found = {p.precision for p in self.partitions if p.in_openvino and p.precision}
+        if self.quantized:
+            found.add("int8")
+        return tuple(sorted(found))
 
     @property
     def execution_devices(self) -> tuple[str, ...]:
@@ -103,6 +120,15 @@ class CompileReport:
              else "conversion reused") if self.partitions and all(p.reused for p in self.partitions)
             else "cache hit" if self.cache_hit else "cache miss",
         ]
+        quantized = [p for p in self.partitions if p.quantized]
+        if self.route == "int8":
+            parts = [f"{self.graph} {self.signature}: INT8 quantization"]
+            parts += [f"calibrated on {p.calibration_samples} recorded call(s), quantized in {p.quantize_seconds:.1f}s"
+                      for p in quantized]
+        elif quantized:
+            parts.append("INT8 model" + (" from the cache" if self.cache_hit else ""))
+        if self.calibrating:
+            parts.append(f"INT8: runs at float while {self.calibrating} call(s) are recorded for calibration")
         if self.fallback_ops:
             parts.append("in PyTorch: " + ", ".join(f"{op} ({why})" for op, why in sorted(self.fallback_ops.items())))
         if self.warnings:
@@ -116,13 +142,16 @@ class Stats:
     ``compile_seconds`` is all the time spent getting graphs ready (tracing, conversion or cache
     load, OpenVINO compile); ``trace_seconds``, ``convert_seconds`` and ``ov_compile_seconds`` split
     it. ``run_seconds`` is time spent in calls of ready graphs. Dynamo's own capture is in neither.
+    ``quantize_seconds`` (part of ``compile_seconds``) is NNCF's time making INT8 models; ``quantized``
+    counts them.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values = {"compile_seconds": 0.0, "trace_seconds": 0.0, "convert_seconds": 0.0,
                         "ov_compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
-                        "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0}
+                        "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0,
+                        "quantize_seconds": 0.0, "quantized": 0}
 
     def add(self, **amounts: float) -> None:
         with self._lock:

@@ -18,20 +18,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import openvino as ov
 import torch
 
-from ov_backend import convert, weights
+from ov_backend import convert, quantize, weights
 from ov_backend.context import BuildContext
 from ov_backend.files import format_bytes
 from ov_backend.inputs import GraphInputs, signature_text
 from ov_backend.live import LiveModel, attach_weights, weightless_copy
 from ov_backend.ops import decomposition_table, node_op_name
 from ov_backend.partitions import StaticBuild
+from ov_backend.precision import QUANTIZED_PRECISIONS
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVRunner
 from ov_backend.variants import Variant, eager_variant
@@ -40,6 +42,14 @@ logger = logging.getLogger(__name__)
 
 #: the key, in a weights set's variants, of the model converted with dynamic shapes
 DYNAMIC_MODEL = "__dynamic_model__"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A key, in a weights set's variants, of what INT8 keeps there (``signature`` None: dynamic shapes)."""
+
+    kind: str  # "int8 model" or "calibration"
+    signature: tuple[Any, ...] | None
 
 
 class GraphBuilder:
@@ -67,6 +77,8 @@ class GraphBuilder:
         #: per signature, the static route's model of the whole graph (one partition), if it reads the weights
         self._static_live: dict[tuple[Any, ...], LiveModel] = {}
         self._decomp = decomposition_table(context.settings.decompositions)
+        #: the settings ask for INT8 models (calibrated on this graph's first calls)
+        self._int8 = context.settings.precision in QUANTIZED_PRECISIONS
         self._torch_op_count = sum(1 for n in inputs.gm.graph.nodes if n.op == "call_method" or (
             n.op == "call_function" and not node_op_name(n).startswith("_operator.")))
 
@@ -89,7 +101,7 @@ class GraphBuilder:
                     variant = self._build_dynamic(sig, user_values, weight_values, variants, fingerprint, report)
                     if variant is not None:
                         return variant
-                return self._build_static(sig, user_values, weight_values, fingerprint, report)
+                return self._build_static(sig, user_values, weight_values, fingerprint, report, variants)
         finally:
             context.stats.add(compile_seconds=time.perf_counter() - start, trace_seconds=report.trace_seconds,
                               convert_seconds=report.convert_seconds)
@@ -161,6 +173,14 @@ class GraphBuilder:
             variants[DYNAMIC_MODEL] = base
         elif not part.reused:
             part.reused = True
+        int8_key = None
+        if self._int8:
+            int8_key = context.key("int8", [(len(s[0]), s[1]) for s in sig], fingerprint,
+                                   {"graph": self._graph_code, "dims": dims,
+                                    **quantize.calibration_key(context.settings.calibration_samples)})
+            quantized = self._int8_model(variants, None, int8_key, part)
+            if quantized is not None:
+                base = quantized
         model = base.clone()
         model.reshape({i: ov.PartialShape(list(s[0])) for i, s in enumerate(sig)})
         try:
@@ -174,7 +194,10 @@ class GraphBuilder:
         report.partitions.append(part)
         runner = OVRunner(compiled, self.inputs.output_dtypes())
         logger.info("OpenVINO compiled %s", report.summary())
-        return Variant(lambda user: tuple(runner(user)), in_openvino=True, releasable=True)
+        variant = Variant(lambda user: tuple(runner(user)), in_openvino=True, releasable=True)
+        if int8_key is not None and not part.quantized:
+            variant = self._recording(variant, variants, None, base, int8_key, report, list)
+        return variant
 
     def _dynamic_failure_key(self, sig: tuple[Any, ...]) -> str:
         """The key under which a failed dynamic conversion of this graph is remembered (no weights in it)."""
@@ -204,7 +227,45 @@ class GraphBuilder:
 
     # -- static route ---------------------------------------------------------------------------------
     def _build_static(self, sig: tuple[Any, ...], user_values: Sequence[Any],
-                      weight_values: Sequence[torch.Tensor], fingerprint: str, report: CompileReport) -> Variant:
+                      weight_values: Sequence[torch.Tensor], fingerprint: str, report: CompileReport,
+                      variants: dict[Any, Any]) -> Variant:
+        if not self._int8 or not self.inputs.outputs_are_tensors():
+            return self._build_static_float(sig, user_values, weight_values, fingerprint, report)
+        int8_key = self.context.key("int8", sig, fingerprint, {
+            "graph": self._graph_code, "min_partition_ops": self.context.settings.min_partition_ops,
+            **quantize.calibration_key(self.context.settings.calibration_samples)})
+        part = PartitionReport("graph", ops=self.inputs.op_count)
+        quantized = self._int8_model(variants, sig, int8_key, part)
+        if quantized is not None:
+            variant = self._whole_graph_variant(quantized, part, report)
+            if variant is not None:
+                return variant
+        variant = self._build_static_float(sig, user_values, weight_values, fingerprint, report)
+        model = self._whole_model(sig, fingerprint)
+        if model is None or not variant.in_openvino:
+            report.warnings.append("INT8 needs the graph as one OpenVINO model; it runs at float")
+            logger.warning("%s %s: INT8 needs the graph as one OpenVINO model (it was partitioned); it runs at "
+                           "float", self.name, report.signature)
+            return variant
+        baked = self.inputs.scalar_tensors
+        return self._recording(variant, variants, sig, model, int8_key, report,
+                               lambda user: [v for pos, v in enumerate(user)
+                                             if isinstance(v, torch.Tensor) and pos not in baked])
+
+    def _whole_model(self, sig: tuple[Any, ...], fingerprint: str) -> ov.Model | None:
+        """The float model of the whole graph for ``sig``, if the static route made or found one."""
+        live = self._static_live.get(sig)
+        if live is not None:
+            return live.model
+        if not self.context.settings.model_caching:
+            return None
+        whole_key = self.context.key("whole", sig, fingerprint, {
+            "graph": self._graph_code, "min_partition_ops": self.context.settings.min_partition_ops})
+        xml = self.context.cache.model_file(whole_key)
+        return self.context.core.read_model(str(xml)) if xml is not None else None
+
+    def _build_static_float(self, sig: tuple[Any, ...], user_values: Sequence[Any],
+                            weight_values: Sequence[torch.Tensor], fingerprint: str, report: CompileReport) -> Variant:
         context = self.context
         whole_key = None
         if context.settings.model_caching and self.inputs.outputs_are_tensors():
@@ -261,3 +322,86 @@ class GraphBuilder:
         return Variant(lambda user: tuple(runner([v for pos, v in enumerate(user)
                                                   if isinstance(v, torch.Tensor) and pos not in baked])),
                        in_openvino=True, releasable=True)
+
+    # -- INT8 -----------------------------------------------------------------------------------------
+    def _int8_model(self, variants: dict[Any, Any], sig: tuple[Any, ...] | None, key: str,
+                    part: PartitionReport) -> ov.Model | None:
+        """The INT8 model for these weights (``sig`` None: with dynamic shapes): quantized earlier in this
+        process, or from the disk cache; None when there is none yet. Marks ``part`` as quantized."""
+        slot = Slot("int8 model", sig)
+        model = variants.get(slot)
+        part.reused = model is not None
+        if model is None and self.context.settings.model_caching:
+            model = self.context.cache_load(key)
+            part.cache_hit = part.cache_hit or model is not None
+        if model is None:
+            return None
+        variants[slot] = model
+        part.quantized = True
+        return model
+
+    def _recording(self, variant: Variant, variants: dict[Any, Any], sig: tuple[Any, ...] | None,
+                   model: ov.Model, key: str, report: CompileReport,
+                   select: Callable[[Sequence[Any]], list[Any]]) -> Variant:
+        """``variant`` (float) recording its calls' model inputs (``select(user)``) for calibration, until
+        the graph quantizes ``model`` for these weights (see :meth:`quantize`)."""
+        slot = Slot("calibration", sig)
+        calibration = variants.get(slot)
+        if calibration is None:
+            calibration = variants[slot] = quantize.Calibration(self.context.settings.calibration_samples,
+                                                                model, key, sig)
+        if calibration.failed is not None:
+            report.warnings.append(f"INT8 quantization failed earlier ({calibration.failed}); it runs at float")
+            return variant
+        report.calibrating = calibration.limit
+        float_run = variant.run
+
+        def run(user: Sequence[Any]) -> Any:
+            tensors = select(user)
+            if quantize.recordable(tensors):
+                calibration.record(tensors)
+            return float_run(user)
+
+        return Variant(run, in_openvino=True, releasable=variant.releasable, calibration=calibration)
+
+    def quantize(self, variants: dict[Any, Any]) -> int:
+        """Quantize, with NNCF, every model of this weights set whose calls were recorded; returns how many.
+
+        The INT8 model replaces the float one (the next call of each signature compiles it) and is stored
+        in the disk cache under its key. A failure is reported and remembered: those weights stay at float.
+        """
+        done = 0
+        for slot, calibration in list(variants.items()):
+            if not isinstance(slot, Slot) or slot.kind != "calibration" or not calibration.pending:
+                continue
+            sig = calibration.signature
+            report = CompileReport(self.name, signature_text(sig) if sig is not None else "(dynamic shapes)", "int8",
+                                   self.context.settings.device)
+            part = PartitionReport("graph", ops=self.inputs.op_count, quantized=True,
+                                   calibration_samples=len(calibration.samples))
+            start = time.perf_counter()
+            try:
+                with convert.build_lock():
+                    model = quantize.quantize(calibration.model, calibration.samples)
+            except quantize.QuantizationError as err:
+                calibration.failed = str(err)
+                part.in_openvino = False
+                report.warnings.append(f"INT8 quantization failed ({err}); it runs at float")
+                logger.warning("%s: INT8 quantization failed (%s); it runs at float", self.name, err)
+            else:
+                calibration.done = True
+                variants[Slot("int8 model", sig)] = model
+                self.context.cache_store(calibration.key, model, f"{self.name} int8 {report.signature}")
+                # the float variants that recorded go: each signature's next call compiles the INT8 model
+                for key, value in list(variants.items()):
+                    if isinstance(value, Variant) and value.calibration is calibration:
+                        del variants[key]
+                done += 1
+            part.quantize_seconds = time.perf_counter() - start
+            calibration.samples = []
+            report.partitions.append(part)
+            self.context.stats.add(compile_seconds=part.quantize_seconds, quantize_seconds=part.quantize_seconds,
+                                   quantized=1 if calibration.done else 0)
+            self.context.add_report(report)
+            logger.info("%s", report.summary())
+        return done

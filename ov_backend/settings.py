@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ov_backend import devices, ops
+from ov_backend import devices, ops, quantize
 from ov_backend.files import user_cache_root
-from ov_backend.precision import DEFAULT_PRECISION, PRECISION_CONFIG, PRECISIONS
+from ov_backend.precision import DEFAULT_PRECISION, PRECISION_CONFIG, PRECISIONS, QUANTIZED_PRECISIONS
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ ENV_CACHE_DIR = "OPENVINO_TORCH_CACHE_DIR"
 #: a single 3x3 convolution on [1, 64, 8, 8] ran faster in OpenVINO (4 ms vs 11 ms). A count of
 #: ops cannot tell the two apart, so the default keeps every partition in OpenVINO, as before.
 DEFAULT_MIN_PARTITION_OPS = 1
+#: At precision "int8": calls recorded at float before a graph is quantized (each costs about one call of
+#: the float model again while NNCF gathers statistics).
+DEFAULT_CALIBRATION_SAMPLES = 8
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -62,6 +65,8 @@ class BackendSettings:
             ``min_block_size``), reported with a WARNING (``strict`` does not raise for it): a tiny
             OpenVINO island between PyTorch ops can cost more in hand-over than it saves. Python
             ``getitem`` and size arithmetic are not counted. 1 sends every partition to OpenVINO.
+        calibration_samples: at ``precision="int8"``, how many calls of a graph run at float and are
+            recorded before it is quantized (fewer if the owner calls ``OVBackend.calibrate()`` first).
     """
 
     device: str = "CPU"
@@ -74,6 +79,7 @@ class BackendSettings:
     aot_autograd: bool = False
     strict: bool = False
     min_partition_ops: int = DEFAULT_MIN_PARTITION_OPS
+    calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
 
     @property
     def config_dict(self) -> dict[str, str]:
@@ -143,6 +149,14 @@ def _check_config(config: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(items))
 
 
+def _check_precision(precision: Any) -> Any:
+    if precision in QUANTIZED_PRECISIONS:
+        problem = quantize.nncf_problem()
+        if problem is not None:
+            raise ValueError(f"option 'precision' {precision!r}: {problem}")
+    return precision
+
+
 def _with_precision(precision: Any, config: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
     if precision not in PRECISION_CONFIG:
         raise ValueError(f"option 'precision' must be one of {list(PRECISIONS)}, got {precision!r}")
@@ -206,11 +220,15 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
         device=_check_device(merged.get("device", "CPU")),
         model_caching=_as_bool("model_caching", merged.get("model_caching", False)),
         cache_dir=Path(cache_dir).expanduser() if cache_dir not in (None, "") else default_cache_dir(),
-        config=_with_precision(merged.get("precision", DEFAULT_PRECISION), _check_config(merged.get("config"))),
+        config=_with_precision(_check_precision(merged.get("precision", DEFAULT_PRECISION)),
+                               _check_config(merged.get("config"))),
         precision=merged.get("precision", DEFAULT_PRECISION),
         decompositions=_check_ops("decompositions", merged.get("decompositions"), known=None),
         disabled_ops=_check_ops("disabled_ops", merged.get("disabled_ops"), known=ops.SUPPORTED_OPS),
         aot_autograd=_as_bool("aot_autograd", merged.get("aot_autograd", False)),
+        calibration_samples=_as_count("calibration_samples",
+                                      merged.get("calibration_samples", DEFAULT_CALIBRATION_SAMPLES), minimum=1,
+                                      meaning="calls recorded at float before an INT8 model is quantized"),
         strict=_as_bool("strict", merged.get("strict", False)),
         min_partition_ops=_as_count("min_partition_ops", merged.get("min_partition_ops", DEFAULT_MIN_PARTITION_OPS),
                                     minimum=1, meaning="partitions with fewer aten ops run in PyTorch; "

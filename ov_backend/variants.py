@@ -58,12 +58,16 @@ class Variant:
         in_openvino: whether any of it runs in OpenVINO.
         releasable: compiled from a converted model the graph keeps: releasing it costs only a compile
             when it is needed again (see :class:`UseWindow`).
+        calibration: at precision "int8": the recording its calls add to (they run at float until the
+            graph is quantized); None otherwise.
     """
 
-    def __init__(self, run: Callable[[Sequence[Any]], Any], in_openvino: bool, releasable: bool = False) -> None:
+    def __init__(self, run: Callable[[Sequence[Any]], Any], in_openvino: bool, releasable: bool = False,
+                 calibration: Any = None) -> None:
         self.run = run
         self.in_openvino = in_openvino
         self.releasable = releasable
+        self.calibration = calibration
 
 
 def eager_variant(inputs: GraphInputs, weight_values: Sequence[torch.Tensor]) -> Variant:
@@ -116,6 +120,11 @@ class WeightVariants:
             self._fingerprint = fp
             self._watch = weights.WeightWatch(weight_values)
             return fp, self._by_weights[fp]
+
+    def current_store(self) -> dict[Any, Any] | None:
+        """The variants of the weights the last call had (None before the first call)."""
+        with self._lock:
+            return self._by_weights.get(self._fingerprint) if self._fingerprint is not None else None
 
     def release(self, unused: set[tuple[str, Any]]) -> int:
         """Drop the releasable variants ``(fingerprint, signature)`` in ``unused``; returns how many.

@@ -27,7 +27,8 @@ def test_defaults(monkeypatch):
 
 def test_option_names_are_the_stock_set_plus_ours():
     assert set(OPTION_NAMES) == {"device", "model_caching", "cache_dir", "config", "precision", "decompositions",
-                                 "disabled_ops", "aot_autograd", "strict", "min_partition_ops"}
+                                 "disabled_ops", "aot_autograd", "strict", "min_partition_ops",
+                                 "calibration_samples"}
 
 
 def test_unknown_option_is_named():
@@ -122,7 +123,7 @@ def test_precision_names_map_to_the_plugin_hint() -> None:
     assert build_settings({}).precision == "auto"
     again = build_settings(build_settings({"precision": "f32"}))
     assert (again.precision, again.config_dict) == ("f32", {"INFERENCE_PRECISION_HINT": "f32"})
-    with pytest.raises(ValueError, match=r"'precision' must be one of \['auto', 'f32'\], got 'bf16'"):
+    with pytest.raises(ValueError, match=r"'precision' must be one of \['auto', 'f32', 'int8'\], got 'bf16'"):
         build_settings({"precision": "bf16"})
     with pytest.raises(ValueError, match="INFERENCE_PRECISION_HINT=bf16; give one of them"):
         build_settings({"precision": "f32", "config": {"INFERENCE_PRECISION_HINT": "bf16"}})
