@@ -6,6 +6,10 @@ what it replaces, so diffusers' sampling loop runs unchanged), the ``OVBackend``
 holds the compiled models, and ``restore()``. Parts not listed in ``SDSettings.accelerate``
 stay in PyTorch.
 
+At INT8 precision only the UNet is quantized (its first calls run at float and are recorded for
+calibration, :meth:`Accelerator.calibrate` quantizes on what was recorded); the VAE and text encoders
+run at the float default, as measured: they are a small part of a generation's time.
+
 Every compiled call is watched (``ov_backend.graph_runs``, the check the WebUI adapter uses too):
 a call dynamo ran without any compiled graph (it gave up on the function, e.g. at its recompile
 limit) is counted with the reason, and :meth:`Accelerator.eager_report` says so.
@@ -59,17 +63,25 @@ class Accelerator:
         if self._originals:
             return self
         from ov_backend.graph_runs import EagerCalls, GraphRunCounter
+        from ov_backend.precision import DEFAULT_PRECISION, QUANTIZED_PRECISIONS
 
+        quantized = self.settings.precision in QUANTIZED_PRECISIONS
         if self.backend is None:
             from ov_backend import OVBackend, build_settings
 
-            self.backend = OVBackend(build_settings(self.settings.to_backend_options()))
+            options = self.settings.to_backend_options()
+            if quantized:  # INT8 is for the UNet: the VAE and text encoders run at the float default
+                options["precision"] = DEFAULT_PRECISION
+            self.backend = OVBackend(build_settings(options))
         counter = GraphRunCounter(self.backend)
+        unet_counter = counter
+        if quantized and self.backend.settings.precision != self.settings.precision:
+            unet_counter = GraphRunCounter(self.backend.derived(self.settings.precision))
         self._calls = EagerCalls()
         for part, module in self.targets():
             original = module.__dict__.get("forward")
             code = getattr(type(module).forward, "__code__", None)
-            compiled = torch.compile(module.forward, backend=counter)
+            compiled = torch.compile(module.forward, backend=unet_counter if part == "unet" else counter)
             module.forward = self._calls.watch(part, compiled, counter, code)
             self._originals.append((module, original))
             logger.info("%s (%s) routed through ov_backend on %s", part, type(module).__name__,
@@ -87,6 +99,11 @@ class Accelerator:
         if self.backend is not None:
             self.backend.reset()
         torch._dynamo.reset()
+
+    def calibrate(self) -> int:
+        """At INT8 precision: quantize the UNet now on the calls recorded so far (the end of the first batch);
+        returns how many models were quantized (0 when there was nothing to quantize)."""
+        return self.backend.calibrate() if self.backend is not None and self._originals else 0
 
     def eager_report(self) -> str | None:
         """Which parts' calls dynamo ran in plain PyTorch and why, or None if every call was compiled."""

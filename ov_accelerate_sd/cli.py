@@ -135,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "'Clip skip' (default 1: the last layer)")
     gen.add_argument("--device", default="CPU", help="OpenVINO device (see the devices command)")
     gen.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-                     help="auto: the plugin chooses (bf16 on CPUs that have it); f32: force f32")
+                     help="auto: the plugin chooses (bf16 on CPUs that have it); f32: force f32; int8: the "
+                          "UNet quantized with NNCF (needs nncf), calibrated on the first batch's steps, which run "
+                          "at auto; the VAE and text encoder stay at auto")
     gen.add_argument("--cache-dir", type=Path, help="compiled-model cache (default: per-user cache folder)")
     gen.add_argument("--no-cache", action="store_true", help="do not read or write the compiled-model cache")
     gen.add_argument("--pytorch", action="append", choices=PARTS, default=[], metavar="PART",

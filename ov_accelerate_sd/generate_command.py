@@ -273,6 +273,9 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
                     finally:
                         bar.close()
                     times.batch_done(len(images))
+                    if times.batches == 1 and accelerator.calibrate():
+                        quantizing = [r for r in accelerator.backend.reports if r.route == "int8"]
+                        _out("INT8: " + "; ".join(r.summary() for r in quantizing))
                     for item in images:
                         path = args.out / f"{number:05d}-{item.seed}.png"
                         number += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import os
 import re
 import signal
@@ -362,3 +363,32 @@ def test_generate_reports_calls_dynamo_ran_in_pytorch(tmp_path: Path, sd1_checkp
     with torch._dynamo.config.patch(recompile_limit=1):
         assert main(again) == 0  # one prompt length: every call compiled, nothing to report
     assert "Not accelerated" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nncf") is None, reason="nncf is not installed")
+def test_int8_calibrates_on_the_first_batch_and_a_new_run_reads_it_from_the_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    args = ["-v", "generate", "--demo", "--prompt", "a cat", *SMALL, "--seed", "3", "--precision", "int8",
+            "--cache-dir", str(cache)]
+    proc = _run(*args, "--batch-count", "2", "--out", str(tmp_path / "first"))
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr
+    # the first batch's 2 steps ran at float and were recorded; the UNet was quantized after it
+    (line,) = [x for x in stdout.splitlines() if x.startswith("INT8: ")]
+    assert "INT8 quantization; calibrated on 2 recorded call(s)" in line
+    assert "INT8 model" in stderr and "int8" in stderr  # the second batch's UNet report (-v)
+    info = parse_infotext(read_png_infotext(tmp_path / "first" / "00001-4.png"))
+    assert info["OpenVINO precision"] == "int8"
+
+    proc = _run(*args, "--out", str(tmp_path / "again"))
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr
+    assert not [x for x in stdout.splitlines() if x.startswith("INT8: ")]  # nothing to calibrate again
+    assert "INT8 model from the cache" in stderr
+
+
+def test_int8_without_nncf_is_a_usage_error(monkeypatch, capsys) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nncf" else real(name, *a))
+    err = _usage_error(["generate", "--demo", "--precision", "int8"], capsys)
+    assert "INT8 needs NNCF" in err and "pip install nncf==3.4.0" in err
