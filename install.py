@@ -25,6 +25,10 @@ logger = logging.getLogger("openvino_accelerate.install")
 REQUIREMENTS: dict[str, str] = {"openvino": "2026.4.1"}
 #: Modules that must import after installing (checked in a fresh interpreter).
 IMPORT_CHECKS: tuple[str, ...] = ("openvino",)
+#: Installed the same way, but only the INT8 precision needs them: a failure is a warning, and INT8 then
+#: says what to install. nncf 3.4.0 adds packages to A1111 v1.10.1's venv but moves none of its pins.
+OPTIONAL_REQUIREMENTS: dict[str, str] = {"nncf": "3.4.0"}
+OPTIONAL_IMPORT_CHECKS: tuple[str, ...] = ("nncf",)
 
 
 def normalize(name: str) -> str:
@@ -81,6 +85,7 @@ def install(
     requirements: Mapping[str, str] = REQUIREMENTS,
     versions: Any = installed_versions,
     check_imports: Any = import_problems,
+    imports: tuple[str, ...] = IMPORT_CHECKS,
 ) -> list[str]:
     """Install what is missing with ``launch.run_pip`` under constraints; return the problems found.
 
@@ -89,6 +94,7 @@ def install(
         requirements: name -> exact version.
         versions: returns the installed versions (called before and after).
         check_imports: returns problems of importing the required modules.
+        imports: the modules ``check_imports`` is asked about.
     """
     before = versions()
     todo = missing(requirements, before)
@@ -113,7 +119,7 @@ def install(
         f"{name} moved from {old} to {new} (a WebUI pin changed)"
         for name, (old, new) in sorted(moved_versions(before, after, todo).items())
     ]
-    return problems + check_imports(IMPORT_CHECKS)
+    return problems + check_imports(imports)
 
 
 def main() -> int:
@@ -130,7 +136,10 @@ def main() -> int:
             "the script's panel shows this problem too.",
             " ".join(f"{n}=={v}" for n, v in REQUIREMENTS.items()),
         )
-    return 1 if problems else 0
+        return 1
+    for problem in install(launch, OPTIONAL_REQUIREMENTS, imports=OPTIONAL_IMPORT_CHECKS):
+        logger.warning("%s; only the INT8 precision needs it (the others work without it)", problem)
+    return 0
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from .finite_guard import F32Switch
 from .lora import LoraHook
 from .model_parts import Target, checkpoint_key, find_targets
 from .routing import Route
-from .settings import PRECISION_F32, AccelerateSettings
+from .settings import PRECISION_F32, PRECISION_NAMES, AccelerateSettings
 
 if TYPE_CHECKING:
     from ov_backend.backend import OVBackend
@@ -91,6 +91,11 @@ class PreparedRun:
     """The f32 backend's counters before the run (empty if it did not exist yet)."""
 
 
+def _quantized(precision: str) -> bool:
+    """Whether the backend precision name ``precision`` quantizes (INT8: the UNet only)."""
+    return precision in backend_module("precision").QUANTIZED_PRECISIONS
+
+
 #: How a run's compiled models are kept (see :meth:`Accelerator.prepare`).
 WINDOW_NEW, WINDOW_CONTINUE, WINDOW_OFF = "new", "continue", "off"
 
@@ -129,6 +134,9 @@ class Accelerator:
         """
         targets = find_targets(model, settings.parts)
         options = settings.backend_options(default_cache_dir)
+        quantized = _quantized(options["precision"])
+        if quantized:  # the UNet's backend is derived from the float one (see _unet_backend)
+            options = {**options, "precision": backend_module("precision").DEFAULT_PRECISION}
         key = backend_key(options)
         ckpt = checkpoint_key(model)
         f32_options = None
@@ -146,7 +154,31 @@ class Accelerator:
                     used.start_window()
                 elif used is not None and window == WINDOW_OFF:
                     used.stop_windows()
+            if quantized:
+                self._unet_backend(key, backend, PRECISION_NAMES[settings.precision])
             return self._prepared(model, targets, key, backend, settings, f32_options)
+
+    def _unet_backend(self, key: BackendKey, backend: OVBackend, precision: str) -> tuple[BackendKey, OVBackend]:
+        """The backend of the UNet at a quantized precision: ``backend``'s state at that precision (one
+        cache, one set of counters and reports), kept beside it."""
+        unet_key = (*key[:3], precision)
+        unet = self._backends.get(unet_key)
+        if unet is None or unet.stats_counter is not backend.stats_counter:
+            unet = self._backends[unet_key] = backend.derived(precision)
+        return unet_key, unet
+
+    def calibrate(self, run: PreparedRun) -> int:
+        """At INT8: quantize the UNet on the calls ``run`` recorded at float (the end of a generation);
+        returns how many models were quantized."""
+        if not _quantized(PRECISION_NAMES[run.settings.precision]):
+            return 0
+        with self._lock:
+            self._notify("OpenVINO: quantizing the UNet to INT8 on this generation's steps (once per checkpoint "
+                         "and LoRA set)")
+            try:
+                return run.backend.calibrate()
+            finally:
+                self._notify(None)
 
     def extend(self, run: PreparedRun, model: Any) -> PreparedRun:
         """The routes of ``model``, another model A1111 switched to during ``run`` (a refiner, a hires
@@ -176,7 +208,13 @@ class Accelerator:
         settings: AccelerateSettings,
         f32_options: Mapping[str, Any] | None,
     ) -> PreparedRun:
-        entries = [self._entry(key, backend, t) for t in targets]
+        quantized = PRECISION_NAMES[settings.precision]
+        if _quantized(quantized):
+            unet_key, unet_backend = self._unet_backend(key, backend, quantized)
+            entries = [self._entry(unet_key, unet_backend, t) if t.part == "unet" else self._entry(key, backend, t)
+                       for t in targets]
+        else:
+            entries = [self._entry(key, backend, t) for t in targets]
         f32_backend = self._backends.get(backend_key(f32_options)) if f32_options is not None else None
         routes = tuple(
             Route(t.module, self._make_forward(e, f32_options), t.label, t.method) for t, e in zip(targets, entries)

@@ -93,6 +93,8 @@ class Extension:
             prepared = accelerator.prepare(model, settings, host.default_cache_dir(), window)
         except (BackendUnavailable, UnsupportedModel) as exc:
             return self._run_plain(p, f"Accelerate with OpenVINO: {exc}", logging.WARNING)
+        except ValueError as exc:  # settings the backend rejects, e.g. INT8 without NNCF: the image is still made
+            return self._run_plain(p, f"Accelerate with OpenVINO: not used for this image: {exc}", logging.WARNING)
         notes: list[str] = []
         p.extra_generation_params.update(generation_params(settings))
 
@@ -123,6 +125,8 @@ class Extension:
         finally:
             with self._lock:
                 self._session = self._attention = None
+        if not host.state().interrupted and accelerator.calibrate(prepared):
+            logger.info("Accelerate with OpenVINO: the UNet was quantized to INT8 on this generation's steps")
         if cached_before is not None:
             cache_owners.record(cache_folder, self._cache_keys(cache_folder) - cached_before, checkpoint_label(model))
         calls, eager = session.calls(), session.eager()

@@ -125,6 +125,13 @@ def changes_line(changes: list[tuple[str, str]], reports: list[CompileReport]) -
         if rebuilt
         else "compiled models for these weights were reused (no conversion, no compile)"
     )
+    quantized = [r for r in reports if r.route == "int8" and r.quantized]
+    if quantized:
+        seconds = sum(p.quantize_seconds for r in quantized for p in r.partitions)
+        cost += (f"; the INT8 UNet ran at float for these weights and was quantized again on this generation's "
+                 f"steps ({seconds:.1f} s; kept in the disk cache for these weights)")
+    elif any(r.calibrating for r in reports):
+        cost += "; the INT8 UNet runs at float for these weights until it is quantized again"
     parts = "; ".join(f"{label} -> {networks}" for label, networks in now.items())
     return f"LoRA changed: {parts}. Cost: {cost}."
 

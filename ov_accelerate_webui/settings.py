@@ -23,14 +23,15 @@ logger = logging.getLogger(__name__)
 
 PRECISION_AUTO = "Automatic (fastest the device supports)"
 PRECISION_F32 = "Full precision (f32)"
-PRECISIONS: tuple[str, ...] = (PRECISION_AUTO, PRECISION_F32)
+PRECISION_INT8 = "INT8 UNet (calibrated on your first generation; needs NNCF)"
+PRECISIONS: tuple[str, ...] = (PRECISION_AUTO, PRECISION_F32, PRECISION_INT8)
 
 #: Part name (``ov_accelerate_sd.parts.PARTS``, in that order) -> short name used in the infotext and the status.
 PART_LABELS: dict[str, str] = dict(zip(PARTS, ("UNet", "VAE", "TE"), strict=True))
 #: Precision label -> its name in ov_backend's precision table (``ov_backend.precision.PRECISIONS``), which
 #: is also how the infotext writes it and what :func:`build_settings` accepts besides the label. The
 #: backend maps the name to the plugin's properties.
-PRECISION_NAMES: dict[str, str] = {PRECISION_AUTO: "auto", PRECISION_F32: "f32"}
+PRECISION_NAMES: dict[str, str] = {PRECISION_AUTO: "auto", PRECISION_F32: "f32", PRECISION_INT8: "int8"}
 
 
 def _meta(label: str, hint: str) -> dict[str, str]:
@@ -72,7 +73,10 @@ class AccelerateSettings:
         metadata=_meta(
             "Precision",
             "Automatic lets the device use its fastest precision (bf16/f16 where supported; "
-            "results differ slightly from PyTorch). Full precision (f32) matches PyTorch closely.",
+            "results differ slightly from PyTorch). Full precision (f32) matches PyTorch closely. "
+            "INT8 quantizes the UNet to 8 bits with NNCF: the first generation runs at Automatic while its "
+            "steps are recorded, then the UNet is quantized (minutes, once per checkpoint and LoRA set: "
+            "kept in the disk cache); the VAE and text encoder stay at Automatic.",
         ),
     )
     """One of :data:`PRECISIONS`."""

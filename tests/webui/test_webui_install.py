@@ -85,3 +85,21 @@ def test_installed_versions_reads_this_venv(installer: ModuleType) -> None:
     assert versions["gradio"] == "3.41.2" and versions["openvino"] == "2026.4.1"
     assert installer.import_problems(("openvino",)) == []
     assert installer.import_problems(("no_such_module_xyz",))[0].startswith("'import no_such_module_xyz' fails")
+
+
+def test_nncf_is_optional_a_failure_to_install_it_is_a_warning(installer, monkeypatch, caplog) -> None:
+    calls = []
+
+    def fake_install(launch, requirements=installer.REQUIREMENTS, **kwargs):
+        calls.append(dict(requirements))
+        return [] if requirements is installer.REQUIREMENTS else ["pip could not install ['nncf']: offline"]
+
+    monkeypatch.setattr(installer, "install", fake_install)
+    monkeypatch.setitem(__import__("sys").modules, "launch", object())
+    assert installer.main() == 0
+    assert calls == [{"openvino": "2026.4.1"}, {"nncf": "3.4.0"}]
+    assert "only the INT8 precision needs it" in caplog.text
+
+    calls.clear()
+    monkeypatch.setattr(installer, "install", lambda launch, requirements=None, **kw: calls.append(1) or ["broken"])
+    assert installer.main() == 1 and calls == [1]  # openvino failed: nncf is not tried

@@ -1,0 +1,63 @@
+"""The INT8 precision through the script on the fake host: calibration at the end of the first generation,
+the UNet only, LoRA-style weight changes, and a clear message without NNCF."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_p
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("nncf") is None, reason="nncf is not installed")
+
+
+@pytest.fixture
+def int8(tmp_path: Any) -> Any:
+    from ov_accelerate_webui.settings import build_settings
+
+    return build_settings({"precision": "int8", "cache_dir": str(tmp_path / "cache")})
+
+
+def test_the_first_generation_calibrates_then_the_unet_runs_int8(fake_host: Any, extension: Any, int8: Any) -> None:
+    first = extension.run(make_p(fake_host, steps=3), int8)
+    status = extension.last_status
+    assert "INT8: runs at float while 8 call(s) are recorded for calibration" in status, status
+    assert "INT8 quantization; calibrated on 3 recorded call(s)" in status, status
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, int8"' in first.infotexts[0]
+
+    again = extension.run(make_p(fake_host, steps=3), int8)
+    status = extension.last_status
+    assert "INT8 model" in status and "INT8 quantization" not in status, status
+    assert status.count("INT8 model") == 1, status  # only the UNet: the VAE and text encoder stay at auto
+    assert extension.last_run_report()["ov_calls"] > 0
+    assert len(again.images) == 1
+
+
+def test_a_weight_change_runs_at_float_and_is_quantized_again(fake_host: Any, extension: Any, int8: Any) -> None:
+    int8 = dataclasses.replace(int8, vae=False, text_encoder=False)
+    extension.run(make_p(fake_host, steps=2), int8)
+    unet = fake_host.model.model.diffusion_model.unet
+    with torch.no_grad():  # what A1111's networks do: change Linear/Conv weights in place
+        for module in unet.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.shape[0] == module.weight.shape[1]:
+                module.weight.add_(0.3 * torch.randn_like(module.weight))
+    extension.run(make_p(fake_host, steps=2), int8)
+    status = extension.last_status
+    assert "recorded for calibration" in status and "INT8 quantization; calibrated on 2 recorded call(s)" in status, \
+        status
+    extension.run(make_p(fake_host, steps=2), int8)
+    assert "INT8 model" in extension.last_status and "INT8 quantization" not in extension.last_status
+
+
+def test_int8_without_nncf_makes_the_image_in_pytorch_and_says_what_to_install(
+    fake_host: Any, extension: Any, int8: Any, monkeypatch: Any
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nncf" else real(name, *a))
+    processed = extension.run(make_p(fake_host), int8)
+    assert len(processed.images) == 1
+    assert "INT8 needs NNCF" in processed.comments and "pip install nncf==3.4.0" in processed.comments
+    assert "OpenVINO" not in processed.infotexts[0]
