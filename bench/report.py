@@ -88,7 +88,9 @@ def summarize(component: dict[str, Any]) -> list[dict[str, Any]]:
                 row["vs_eager"] = 1.0
             elif eager:
                 row["vs_eager"] = eager / stats["median"]
-            ceiling = static.get(spec.precision) if spec.kind != "eager" else None
+            # an int8 variant is compared with the float ceiling it runs beside (static at auto)
+            ceiling = (static.get("auto" if spec.precision == "int8" else spec.precision)
+                       if spec.kind != "eager" else None)
             if ceiling:
                 row["vs_static"] = ceiling["median"] / stats["median"]
         cpu = record.get("cpu_times")
@@ -149,18 +151,20 @@ def first_call_split_table(component: dict[str, Any]) -> str:
             if split and total:
                 rows.append(f"| {name} | {label} | {total:.1f} | {split['capture']:.1f} | {split['build']:.1f} "
                             f"| {split['trace']:.1f} | {split['convert']:.1f} | {split['ov_compile']:.1f} "
-                            f"| {split['run']:.1f} |")
+                            f"| {split.get('quantize', 0.0):.1f} | {split['run']:.1f} |")
         if cold and warm and cold["build"] > 0:
             warm_total, cold_total = record.get("warm_first_call_seconds"), record.get("cold_first_call_seconds")
             whole = _num(warm_total / cold_total if warm_total and cold_total else None)
-            rows.append(f"| {name} | warm/cold | {whole} | | {warm['build'] / cold['build']:.2f} | | | | |")
+            rows.append(f"| {name} | warm/cold | {whole} | | {warm['build'] / cold['build']:.2f} | | | | | |")
     if not rows:
         return ""
     return "\n".join(["First calls of ov_backend, split (seconds): capture is dynamo reading the Python code "
                       "(every process pays it); build is what the disk cache saves (trace, convert, OpenVINO "
-                      "compile, cache reads and writes, weight hashing); run is the first inference.", "",
-                      "| variant | process | first call | capture | build | trace | convert | OV compile | run |",
-                      "|---|---|---|---|---|---|---|---|---|", *rows])
+                      "compile, INT8 quantization, cache reads and writes, weight hashing); run is the first "
+                      "inference (at int8: with the float calls recorded for calibration).", "",
+                      "| variant | process | first call | capture | build | trace | convert | OV compile | quantize "
+                      "| run |",
+                      "|---|---|---|---|---|---|---|---|---|---|", *rows])
 
 
 def short_report(text: str, keep: int = 4) -> str:

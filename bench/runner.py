@@ -37,7 +37,11 @@ def _groups(settings: BenchSettings) -> list[list[str]]:
         return [["eager", *others]]
     groups = []
     for precision in variants.PRECISIONS:
-        members = [v for v in others if variants.parse_variant(v).precision == precision]
+        if precision == "int8":
+            continue  # int8 runs beside auto, its float counterpart: their ratio is measured interleaved
+        members = [v for v in others
+                   if (variants.parse_variant(v).precision == "int8" and precision == "auto")
+                   or variants.parse_variant(v).precision == precision]
         if members:
             groups.append(["eager", *members])
     return groups or [["eager"]]

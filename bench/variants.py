@@ -10,7 +10,10 @@
   the ceiling: one model for exactly these input shapes, no per-call guard or bookkeeping.
 
 The OpenVINO variants run at a precision: "auto" (no ``INFERENCE_PRECISION_HINT``: the CPU
-plugin picks bf16 on CPUs that have it) or "f32".
+plugin picks bf16 on CPUs that have it) or "f32"; ``ov_backend`` and ``ov_dynamic`` also at "int8"
+(NNCF, see ``ov_backend.quantize``): their first call first runs :data:`INT8_CALIBRATION_CALLS` calls
+at float on varied copies of the inputs (recorded for calibration), then quantizes, so the first
+call's time includes what calibration costs.
 """
 
 from __future__ import annotations
@@ -30,7 +33,11 @@ logger = logging.getLogger(__name__)
 #: "ov_dynamic" is ov_backend with the inputs' varying dimensions marked dynamic before the first call,
 #: as the WebUI adapter does: the route the WebUI's parts take (one conversion, a reshape per size)
 KINDS: tuple[str, ...] = ("eager", "ov_backend", "ov_dynamic", "static", "stock")
-PRECISIONS: tuple[str, ...] = ("auto", "f32")
+PRECISIONS: tuple[str, ...] = ("auto", "f32", "int8")
+#: kinds that run at "int8"
+INT8_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic"})
+#: calls recorded (at float) before an int8 variant quantizes
+INT8_CALIBRATION_CALLS = 4
 #: kinds whose compiled models can come from a disk cache in a later process
 CACHEABLE: frozenset[str] = frozenset({"ov_backend", "ov_dynamic", "stock"})
 
@@ -72,6 +79,8 @@ def parse_variant(name: str) -> VariantSpec:
         return VariantSpec("eager")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} in {name!r}; use {kind}/auto or {kind}/f32")
+    if precision == "int8" and kind not in INT8_KINDS:
+        raise ValueError(f"{name!r}: int8 is a precision of {' and '.join(sorted(INT8_KINDS))} only")
     return VariantSpec(kind, precision)
 
 
@@ -147,18 +156,40 @@ def mark_varying(inputs: Sequence[Any]) -> None:
                 torch._dynamo.mark_dynamic(tensor, dim)
 
 
+def calibration_inputs(inputs: Sequence[Any], k: int) -> list[Any]:
+    """The ``k``-th varied copy of ``inputs`` an int8 variant calibrates on: each float tensor of more than
+    one element scaled and given fresh noise (seeded by ``k``), like another step's latent; the rest as is."""
+    g = torch.Generator().manual_seed(1000 + k)
+    varied: list[Any] = []
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 1:
+            noise = torch.randn(t.shape, generator=g, dtype=t.dtype)
+            t = t * (0.6 + 0.2 * k) + noise * float(t.std()) * 0.5
+        varied.append(t)
+    return varied
+
+
 def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching: bool,
                 dynamic: bool | None) -> Prepared:
     from ov_backend import OVBackend
 
-    backend = OVBackend({"device": "CPU", "model_caching": caching, "cache_dir": str(cache_dir),
-                         "config": spec.config})
+    options: dict[str, Any] = {"device": "CPU", "model_caching": caching, "cache_dir": str(cache_dir),
+                               "config": spec.config}
+    if spec.precision == "int8":
+        options.update(precision="int8", calibration_samples=INT8_CALIBRATION_CALLS)
+    backend = OVBackend(options)
     compiled = torch.compile(module, backend=backend, dynamic=dynamic)
     marked = spec.kind == "ov_dynamic"
+    calibrating = [spec.precision == "int8"]
 
     def call(*inputs: torch.Tensor) -> torch.Tensor:
         if marked:
             mark_varying(inputs)
+        if calibrating[0]:
+            calibrating[0] = False
+            for k in range(INT8_CALIBRATION_CALLS):
+                compiled(*calibration_inputs(inputs, k))
+            backend.calibrate()  # no-op when the INT8 model came from the cache
         return _first_tensor(compiled(*inputs))
 
     def finish() -> dict[str, Any]:
@@ -169,7 +200,7 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
         stats = backend.stats()
         return {"build": stats["compile_seconds"], "trace": stats["trace_seconds"],
                 "convert": stats["convert_seconds"], "ov_compile": stats["ov_compile_seconds"],
-                "run": stats["run_seconds"], "cache_hits": stats["cache_hits"]}
+                "quantize": stats["quantize_seconds"], "run": stats["run_seconds"], "cache_hits": stats["cache_hits"]}
 
     return Prepared(call, {}, finish, split)
 
