@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 FULL_CHECKPOINTS = ("sd15-random.safetensors", "sd15-random-b.safetensors")
 FULL_LORA = "bench-lora-sd15"
 TINY_LORA = "ovtest-lora"  # written by tests/real_webui/make_models.py
-PRECISION_KEYS = ("auto", "f32")
+PRECISION_KEYS = ("auto", "f32", "int8")
 
 
 class Row(NamedTuple):
@@ -76,7 +76,8 @@ class WebUIBenchSettings:
     tiny: bool = False
     """The real-host tier's tiny models (minutes) instead of the full-size SD 1.5 checkpoints."""
     precisions: tuple[str, ...] = ("auto",)
-    """Accelerated runs, in order: "auto" (what users run) and/or "f32"."""
+    """Accelerated runs, in order: "auto" (what users run), "f32" and/or "int8" (the INT8 UNet: its first
+    generation, a checkpoint switch and each LoRA change calibrate and quantize)."""
     steps: int = 4
     """Sampling steps per request (Euler); at least 3 for a seconds-per-step reading."""
     sizes: tuple[tuple[int, int], ...] = ((512, 512), (512, 384), (384, 512))

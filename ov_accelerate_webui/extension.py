@@ -76,12 +76,13 @@ class Extension:
         return [name for name, _full in self.api().list_devices()]
 
     # --- generation ----------------------------------------------------------------------------
-    def run(self, p: Any, settings: AccelerateSettings, new_window: bool = True) -> Any:
+    def run(self, p: Any, settings: AccelerateSettings, new_window: bool = True, calibrate: bool = True) -> Any:
         """Run A1111's pipeline on ``p`` with the chosen parts in OpenVINO; returns the ``Processed``.
 
         ``new_window``: the run is a generation of its own, so compiled models it does not use are
         released when it builds another (False: it continues the previous run's window). The Settings
-        tab's "keep every compiled size" turns releasing off.
+        tab's "keep every compiled size" turns releasing off. ``calibrate``: at INT8, quantize the UNet at
+        the end on the steps recorded so far (False for Pre-compile's 1-step runs: too few to calibrate on).
         """
         model = getattr(p, "sd_model", None) or host.loaded_model()
         if not settings.parts:
@@ -125,7 +126,7 @@ class Extension:
         finally:
             with self._lock:
                 self._session = self._attention = None
-        if not host.state().interrupted and accelerator.calibrate(prepared):
+        if calibrate and not host.state().interrupted and accelerator.calibrate(prepared):
             logger.info("Accelerate with OpenVINO: the UNet was quantized to INT8 on this generation's steps")
         if cached_before is not None:
             cache_owners.record(cache_folder, self._cache_keys(cache_folder) - cached_before, checkpoint_label(model))
@@ -200,7 +201,9 @@ class Extension:
                 do_not_save_grid=True,
             )
             with host.queue_lock():
-                self.run(p, settings, new_window=number == 1)  # one window: every size stays compiled
+                # one window: every size stays compiled; at INT8 its 1-step calls are recorded, and the next
+                # generation calibrates on them and its own steps
+                self.run(p, settings, new_window=number == 1, calibrate=False)
         yield f"Ready: {', '.join(s.label() for s in sizes)}."
 
     def ready_sizes_text(self) -> str:

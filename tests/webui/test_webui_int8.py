@@ -61,3 +61,16 @@ def test_int8_without_nncf_makes_the_image_in_pytorch_and_says_what_to_install(
     assert len(processed.images) == 1
     assert "INT8 needs NNCF" in processed.comments and "pip install nncf==3.4.0" in processed.comments
     assert "OpenVINO" not in processed.infotexts[0]
+
+
+def test_precompile_does_not_calibrate_the_next_generation_does(fake_host: Any, extension: Any, int8: Any) -> None:
+    """Pre-compile's 1-step runs are too few to calibrate on: they are recorded, and the next generation
+    quantizes on them and its own steps."""
+    from ov_accelerate_webui.settings import FIELD_NAMES
+    from ov_accelerate_webui.ui import PanelHandlers
+
+    args = [getattr(int8, name) for name in FIELD_NAMES]
+    assert list(PanelHandlers(extension).precompile("64x64, 96x64", 1, *args))[-1][0] == "Ready: 64x64, 96x64."
+    assert "INT8 quantization" not in extension.last_status
+    extension.run(make_p(fake_host, steps=3), int8)
+    assert "INT8 quantization; calibrated on 5 recorded call(s)" in extension.last_status, extension.last_status
