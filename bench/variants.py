@@ -188,7 +188,10 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
         if calibrating[0]:
             calibrating[0] = False
             for k in range(INT8_CALIBRATION_CALLS):
-                compiled(*calibration_inputs(inputs, k))
+                varied = calibration_inputs(inputs, k)
+                if marked:
+                    mark_varying(varied)  # the same graph as the timed calls (else dynamo traces a static one)
+                compiled(*varied)
             backend.calibrate()  # no-op when the INT8 model came from the cache
         return _first_tensor(compiled(*inputs))
 

@@ -5,6 +5,7 @@ These are smoke tests of ``python -m bench --quick``: they assert no time.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -90,3 +91,20 @@ def test_quick_dynamic_variant_takes_the_webuis_route(tmp_path):
     assert not any(": dynamic on CPU" in r for r in variants["ov_backend/f32"]["info"]["reports"])
     assert dynamic["rel_l2_vs_eager"] < 1e-4
     assert "| ov_dynamic/f32 |" in table
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nncf") is None, reason="nncf is not installed")
+def test_quick_int8_variant_calibrates_in_its_first_call_and_runs_quantized(tmp_path):
+    """ov_dynamic/int8 runs beside ov_dynamic/auto (one group): its first call records its calibration calls
+    on the graph the timed calls use and quantizes, so every timed call runs the INT8 model."""
+    results, table = _run(tmp_path, "--components", "unet", "--only", "components", "--variants", "eager",
+                          "ov_dynamic/auto", "ov_dynamic/int8")
+    int8 = results["components"]["unet"]["variants"]["ov_dynamic/int8"]
+    assert int8["errors"] == [] and int8["finite"] is True
+    reports = int8["info"]["reports"]
+    assert sum(": INT8 quantization; calibrated on 4 recorded call(s)" in r for r in reports) == 1, reports
+    assert "INT8 model" in reports[-1] and "int8" in reports[-1], reports
+    assert int8["info"]["stats"]["quantized"] == 1
+    assert int8["cold_first_call_split"]["quantize"] > 0
+    assert int8["rel_l2_vs_eager"] < 0.2  # random-weight quick UNet: see tests/backend/test_int8.py for the bound
+    assert "| ov_dynamic/int8 |" in table and "| quantize |" in table
