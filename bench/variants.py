@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ PRECISIONS: tuple[str, ...] = ("auto", "f32", "int8")
 INT8_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic"})
 #: calls recorded (at float) before an int8 variant quantizes
 INT8_CALIBRATION_CALLS = 4
+#: oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) without bf16 kernels
+NO_BF16_ISA_CAPS = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"})
 #: kinds whose compiled models can come from a disk cache in a later process
 CACHEABLE: frozenset[str] = frozenset({"ov_backend", "ov_dynamic", "stock"})
 
@@ -60,8 +63,15 @@ class VariantSpec:
 
     @property
     def config(self) -> dict[str, str]:
-        """The OpenVINO compile properties of this precision."""
-        return {"INFERENCE_PRECISION_HINT": "f32"} if self.precision == "f32" else {}
+        """The OpenVINO compile properties of this precision.
+
+        With oneDNN capped below AVX-512 BF16 (``ONEDNN_MAX_CPU_ISA=AVX2``, emulating an AVX2-only CPU on a
+        newer one) every precision's float parts run at f32, as on such a CPU: OpenVINO's CPU plugin picks
+        bf16 from the CPU's own flags, which kernels capped at AVX2 cannot run.
+        """
+        if self.precision == "f32" or os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in NO_BF16_ISA_CAPS:
+            return {"INFERENCE_PRECISION_HINT": "f32"}
+        return {}
 
 
 def parse_variant(name: str) -> VariantSpec:
