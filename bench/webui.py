@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import logging
 import shlex
 import shutil
@@ -29,7 +28,15 @@ from typing import Any, NamedTuple
 
 from bench import webui_report
 from bench.webui_host import BenchWebUI, write_kohya_lora
-from tests.real_webui.webui import CHECKPOINT_A, CHECKPOINT_B, EXTENSION_NAME, SCRIPT_NAME, testbed_ready, testbed_root
+from tests.real_webui.webui import (
+    CHECKPOINT_A,
+    CHECKPOINT_B,
+    EXTENSION_NAME,
+    SCRIPT_NAME,
+    psnr,
+    testbed_ready,
+    testbed_root,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -150,11 +157,14 @@ class Scenario:
         self.results: dict[str, Any] = {"rows": [], "phases": []}
         self.progress = progress
         self.current = 0
-        self._prompts = itertools.count(1)
+        #: stock's first image per request, for the accelerated images' PSNR
+        self._stock_pictures: dict[str, Any] = {}
 
     def payload(self, row: Row) -> dict[str, Any]:
         width, height = self.config.sizes[row.size]
-        prompt = f"a lighthouse on a cliff at dusk, take {next(self._prompts)}"  # a new prompt: TE runs
+        # a new prompt per request within a mode (so the text encoder runs), the same one for the same request in
+        # every mode (so each accelerated image can be compared with stock's); the restart repeats the first
+        prompt = f"a lighthouse on a cliff at dusk, take {'first' if row.key == 'restart' else row.key}"
         if row.lora is not None:
             prompt += f" <lora:{self.lora}:{row.lora:g}>"
         return {"prompt": prompt, "negative_prompt": "blurry, low quality", "seed": 1234, "steps": self.config.steps,
@@ -184,6 +194,12 @@ class Scenario:
             timed = self.ui.timed_generate(payload)
             record.update(seconds=timed.seconds, s_per_it=timed.s_per_it, s_per_it_from_progress=timed.from_progress,
                           steps=timed.steps, images=timed.images)
+            if mode == "stock":
+                self._stock_pictures[row.key] = timed.picture
+            else:
+                stock = self._stock_pictures.get("first" if row.key == "restart" else row.key)
+                if stock is not None and timed.picture is not None and stock.shape == timed.picture.shape:
+                    record["psnr_vs_stock"] = psnr(timed.picture, stock)
             if mode != "stock":
                 status = self.ui.status()
                 record.update({k: status.get(k) for k in ("accelerated", "compiles", "compile_seconds",

@@ -40,6 +40,8 @@ class Timed:
     from_progress: bool
     images: int
     infotext: str
+    picture: Any = None
+    """The first image (an RGB array), to compare with stock's for the same request."""
 
 
 class BenchWebUI(WebUI):
@@ -96,7 +98,7 @@ class BenchWebUI(WebUI):
         else:
             s_per_it = result.seconds / steps
         return Timed(result.seconds, steps, s_per_it, from_progress, len(result.images),
-                     (result.infotexts or [""])[0])
+                     (result.infotexts or [""])[0], result.images[0] if result.images else None)
 
     def memory(self) -> dict[str, float]:
         """Resident memory of the WebUI's Python process (the largest one in its session), in GiB:

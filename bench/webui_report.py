@@ -147,6 +147,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {label.format(batch=s['batch'])} | {step(stock)} | " + " | ".join(cells) + " |")
     lines += ["", "From A1111's progress, steps 3 on; (r): steps too fast to follow, the request's seconds / steps "
               "(text encoder, VAE and any compile included)."]
+    lines += ["", "## Images against stock (PSNR dB)", "",
+              "Each accelerated image against stock A1111's (PyTorch f32) for the same request, prompt and seed. "
+              "Random weights make noise, not pictures: the numbers say how far the arithmetic moved the pixels.", "",
+              "| request | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    for key in dict.fromkeys(r["key"] for r in rows if r["mode"] != "stock"):
+        label = next(r["label"] for r in rows if r["key"] == key)
+        lines.append(f"| {label} | " + " | ".join(_num(_find(rows, m, key).get("psnr_vs_stock")) for m in modes) + " |")
     lines += ["", "## Memory and disk cache", "",
               "| after | process | peak RSS GiB (VmHWM) | RSS GiB | disk cache |", "|---|---|---|---|---|"]
     for p in phases:

@@ -49,6 +49,10 @@ def test_tiny_run_measures_every_row(tmp_path):
     assert rows[("auto", "size3")]["released"] > 0, rows[("auto", "size3")]["status"]
     assert rows[("auto", "restart")]["cache_hits"] > 0, rows[("auto", "restart")]["status"]
     assert rows[("auto", "first")]["compiles"] > 0 and rows[("auto", "first")]["compile_seconds"] > 0
+    # every accelerated image is compared with stock's for the same request (at auto: bf16 where the CPU has it)
+    for row in (*ROWS, RESTART):
+        assert rows[("auto", row.key)]["psnr_vs_stock"] > 25, (row.key, rows[("auto", row.key)].get("psnr_vs_stock"))
+    assert "## Images against stock (PSNR dB)" in table
 
     # every request row of the table: stock seconds, accelerated seconds, ratio, compile seconds, peak RSS
     for row in (*ROWS, RESTART):
