@@ -135,7 +135,7 @@ class Accelerator:
         targets = find_targets(model, settings.parts)
         options = settings.backend_options(default_cache_dir)
         quantized = _quantized(options["precision"])
-        if quantized:  # the UNet's backend is derived from the float one (see _unet_backend)
+        if quantized:  # the UNet's backend is derived from this float one in _prepared (see _unet_backend)
             options = {**options, "precision": backend_module("precision").DEFAULT_PRECISION}
         key = backend_key(options)
         ckpt = checkpoint_key(model)
@@ -154,8 +154,6 @@ class Accelerator:
                     used.start_window()
                 elif used is not None and window == WINDOW_OFF:
                     used.stop_windows()
-            if quantized:
-                self._unet_backend(key, backend, PRECISION_NAMES[settings.precision])
             return self._prepared(model, targets, key, backend, settings, f32_options)
 
     def _unet_backend(self, key: BackendKey, backend: OVBackend, precision: str) -> tuple[BackendKey, OVBackend]:

@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -43,7 +44,7 @@ class QuantizationError(RuntimeError):
 def nncf_problem() -> str | None:
     """Why INT8 cannot work in this Python (NNCF missing or at a version that fails to import), or None."""
     if importlib.util.find_spec("nncf") is None:
-        return (f"INT8 needs NNCF, which is not installed in this Python ({os.path.dirname(os.__file__)}): "
+        return (f"INT8 needs NNCF, which is not installed in this Python ({sys.executable}): "
                 f"install it with 'pip install {NNCF_REQUIREMENT}', or choose another precision")
     return None
 

@@ -74,6 +74,16 @@ def int8_backend(cache: Path, samples: int = 4) -> OVBackend:
     return OVBackend({"model_caching": True, "cache_dir": str(cache), "calibration_samples": samples}).derived("int8")
 
 
+def run_child(body: str, env: dict[str, str] | None = None) -> str:
+    """Run ``body`` (a script that can import this module) in a new Python process; returns its stdout."""
+    here = Path(__file__).resolve()
+    preamble = f"import sys\nsys.path[:0] = {[str(here.parents[2]), str(here.parent)]}\n"
+    done = subprocess.run([sys.executable, "-c", preamble + textwrap.dedent(body)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def int8_entries(backend: OVBackend) -> list[Path]:
     return [e.path for e in backend.cache.entries() if " int8 " in e.description]
 
@@ -122,9 +132,8 @@ def test_a_new_process_runs_the_cached_int8_model_without_calibrating(tmp_path):
     with torch.no_grad():
         for seed in range(3):
             want = compiled(*inputs(seed))
-    script = textwrap.dedent(f"""
-        import sys, torch
-        sys.path[:0] = {[str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]}
+    stdout = run_child(f"""
+        import torch
         from test_int8 import ConvAttention, inputs, int8_backend
         backend = int8_backend({str(tmp_path / 'cache')!r}, samples=2)
         compiled = torch.compile(ConvAttention().eval(), backend=backend)
@@ -134,9 +143,7 @@ def test_a_new_process_runs_the_cached_int8_model_without_calibrating(tmp_path):
         (report,) = backend.reports
         print(report.quantized, report.cache_hit, report.calibrating, backend.stats()["quantized"])
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-4:] == ["True", "True", "0", "0"]
+    assert stdout.split()[-4:] == ["True", "True", "0", "0"]
     # the same INT8 model: the same numbers as in the process that quantized it
     torch.testing.assert_close(torch.load(tmp_path / "got.pt"), want, atol=1e-5, rtol=1e-5)
 
@@ -216,9 +223,8 @@ def test_the_bound_holds_without_vnni(tmp_path):
     """The same model in a process whose oneDNN is capped at AVX2 (no VNNI): NNCF's overflow fix makes
     the weights 7-bit, and the bound still holds. The float parts run at f32 there (the plugin would
     pick bf16 from the CPU's flags, which an AVX2 cap cannot run)."""
-    script = textwrap.dedent(f"""
-        import sys, torch
-        sys.path[:0] = {[str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]}
+    stdout = run_child(f"""
+        import torch
         from test_int8 import ConvAttention, check_int8_bound, inputs
         from ov_backend import OVBackend, quantize
         assert not quantize.exact_int8_dot_products()
@@ -240,8 +246,5 @@ def test_the_bound_holds_without_vnni(tmp_path):
                        for i in range(2))
         assert any(_source_type(op, 0) == "FakeQuantize" for op in ops if op.get_type_name() == "Convolution")
         print("errors", errors)
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "errors" in done.stdout
+    """, env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert "errors" in stdout
