@@ -95,7 +95,9 @@ class CompiledGraph:
             result = variant.run(user_values)
         self.context.stats.add(run_seconds=time.perf_counter() - start,
                                **({"ov_calls": 1} if variant.in_openvino else {"eager_calls": 1}))
-        if variant.calibration is not None and variant.calibration.full:
+        calibrating = variant.calibration is not None and variant.calibration.full
+        del variant  # quantizing releases the float model: this frame must not keep it alive
+        if calibrating:
             self.calibrate()  # at precision "int8": enough calls recorded, quantize now
         return result
 

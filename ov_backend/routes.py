@@ -16,6 +16,7 @@ Whatever OpenVINO cannot take runs in PyTorch with a WARNING, or raises when ``s
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -371,15 +372,24 @@ class GraphBuilder:
         in the disk cache under its key. A failure is reported and remembered: those weights stay at float.
         """
         done = 0
-        for slot, calibration in list(variants.items()):
-            if not isinstance(slot, Slot) or slot.kind != "calibration" or not calibration.pending:
-                continue
+        # (a list of the calibrations only: one of all the items would keep the float models alive)
+        pending = [calibration for slot, calibration in variants.items()
+                   if isinstance(slot, Slot) and slot.kind == "calibration" and calibration.pending]
+        for calibration in pending:
             sig = calibration.signature
             report = CompileReport(self.name, signature_text(sig) if sig is not None else "(dynamic shapes)", "int8",
                                    self.context.settings.device)
             part = PartitionReport("graph", ops=self.inputs.op_count, quantized=True,
                                    calibration_samples=len(calibration.samples))
             start = time.perf_counter()
+            # the float models that recorded go first (a full SD 1.5 UNet's is ~2 GB at bf16): NNCF's
+            # statistics model is compiled beside them; after a failure the next call compiles them again
+            released = [key for key, value in variants.items()
+                        if isinstance(value, Variant) and value.calibration is calibration and value.releasable]
+            for key in released:
+                del variants[key]
+            if released:
+                gc.collect()
             try:
                 with convert.build_lock():
                     model = quantize.quantize(calibration.model, calibration.samples)
@@ -392,7 +402,7 @@ class GraphBuilder:
                 calibration.done = True
                 variants[Slot("int8 model", sig)] = model
                 self.context.cache_store(calibration.key, model, f"{self.name} int8 {report.signature}")
-                # the float variants that recorded go: each signature's next call compiles the INT8 model
+                # the float variants left that recorded go: each signature's next call compiles the INT8 model
                 for key, value in list(variants.items()):
                     if isinstance(value, Variant) and value.calibration is calibration:
                         del variants[key]

@@ -10,11 +10,13 @@ oneDNN capped at AVX2.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import openvino as ov
@@ -197,6 +199,42 @@ def test_a_failed_quantization_keeps_the_graph_at_float_and_says_so(tmp_path, mo
     assert len(failed) == 1 and "it runs at float" in failed[0].summary()
     assert "INT8 quantization failed" in caplog.text
     assert backend.stats()["quantized"] == 0 and not int8_entries(backend)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["when-full", "calibrate"])
+def test_the_float_model_is_freed_before_nncf_runs(tmp_path, monkeypatch, explicit):
+    """NNCF compiles a statistics model of its own: the float model that recorded must not stay beside it
+    (for a full SD 1.5 UNet ~2 GB), whether quantizing starts when the recording is full or on request."""
+    from ov_backend import runtime
+
+    compiled_models: list[weakref.ref] = []
+    init = runtime.OVRunner.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        compiled_models.append(weakref.ref(self.compiled))
+
+    alive_at_quantize: list[int] = []
+    real = quantize.quantize
+
+    def counting(model, samples):
+        gc.collect()
+        alive_at_quantize.append(sum(ref() is not None for ref in compiled_models))
+        return real(model, samples)
+
+    monkeypatch.setattr(runtime.OVRunner, "__init__", tracked)
+    monkeypatch.setattr(quantize, "quantize", counting)
+    model = ConvAttention().eval()
+    backend = int8_backend(tmp_path / "cache", samples=50 if explicit else 3)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for seed in range(3):
+            compiled(*inputs(seed))
+        if explicit:
+            assert backend.calibrate() == 1
+        assert len(compiled_models) == 1 and alive_at_quantize == [0]
+        check_int8_bound(compiled, model)
+    assert backend.stats()["quantized"] == 1
 
 
 def test_int8_without_nncf_says_what_to_install(monkeypatch):
