@@ -91,6 +91,9 @@ class WebUIBenchSettings:
     """(width, height): the first size, a second and a third."""
     batch: int = 4
     """The batch size of the "batch" row."""
+    rows: tuple[str, ...] = ()
+    """The requests to measure, by key (e.g. ``("first", "again")``; "restart" for the restart phase), in the
+    scenario's order, stock and each precision; empty: all of them."""
     testbed: Path = Path()
     """The test bed's root (``A1111_ROOT``)."""
     out: Path = Path("bench/results")
@@ -125,6 +128,10 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
         raise ValueError(f"steps must be at least 3 (seconds per step are read from steps 3 on), got {config.steps}")
     if len(config.sizes) != 3 or any(w % 8 or h % 8 or w <= 0 or h <= 0 for w, h in config.sizes):
         raise ValueError(f"sizes: three WxH with multiples of 8, got {config.sizes}")
+    keys = [row.key for row in (*ROWS, RESTART)]
+    unknown_rows = [key for key in config.rows if key not in keys]
+    if unknown_rows:
+        raise ValueError(f"rows: unknown request(s) {', '.join(unknown_rows)}; known: {', '.join(keys)}")
     if config.batch < 2:
         raise ValueError(f"batch must be at least 2, got {config.batch}")
     if not testbed_ready(Path(config.testbed)):
@@ -231,12 +238,14 @@ class Scenario:
         self.switch(1)  # untimed: A1111 hashes a checkpoint on its first load; both files end in the page cache
         self.switch(0)
         self.phase_end("started", 1)
+        chosen = self.config.rows
         alive = True
         for mode in ("stock", *self.config.precisions):
             for row in ROWS:
-                alive = alive and self.run_row(row, mode, 1)
+                if not chosen or row.key in chosen:
+                    alive = alive and self.run_row(row, mode, 1)
             self.phase_end(mode, 1)
-        if not alive:
+        if not alive or (chosen and RESTART.key not in chosen):
             return self.results
         self.ui.stop()
         self.current = 0
@@ -290,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", nargs=3, type=parse_size, metavar="WxH",
                    help="first, second and third size (default 512x512 512x384 384x512; tiny 64x64 96x64 64x96)")
     p.add_argument("--batch", type=int, help="batch size of the batch row (default 4)")
+    p.add_argument("--rows", nargs="+", metavar="KEY",
+                   help="only these requests, stock and accelerated (" + " ".join(r.key for r in (*ROWS, RESTART))
+                   + "; default: all)")
     p.add_argument("--testbed", type=Path, help="the test bed (default $A1111_ROOT or build/a1111-testbed)")
     p.add_argument("--out", type=Path, help="folder of the results (default bench/results)")
     p.add_argument("--name", help="file name stem (default webui-<date>, or webui-tiny-<date>)")
@@ -307,6 +319,7 @@ def main(argv: Sequence[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {"tiny": args.tiny, "precisions": tuple(args.precisions) if args.precisions else None,
                "steps": args.steps, "sizes": tuple(args.sizes) if args.sizes else None, "batch": args.batch,
+               "rows": tuple(args.rows) if args.rows else None,
                "testbed": args.testbed, "out": args.out, "name": args.name, "work_dir": args.work_dir,
                "min_available_gib": args.min_available_gib}
     try:

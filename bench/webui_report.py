@@ -62,7 +62,7 @@ def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
         else "git clone of the checkout's HEAD",
         "settings": {"tiny": config.tiny, "precisions": list(config.precisions), "steps": config.steps,
                      "sizes": ["x".join(map(str, s)) for s in config.sizes], "batch": config.batch,
-                     "sampler": "Euler", "cfg_scale": 7, "testbed": str(config.testbed)},
+                     "rows": list(config.rows), "sampler": "Euler", "cfg_scale": 7, "testbed": str(config.testbed)},
     }
 
 

@@ -68,3 +68,20 @@ def test_tiny_run_measures_every_row(tmp_path):
     assert phases["auto"]["peak"] >= phases["stock"]["peak"] > 0
     assert results["cpu"]["openvino_device"] and results["machine"].get("Model name")
     assert "python -m bench webui --tiny" in table
+
+
+def test_tiny_run_of_chosen_rows(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["webui", "--tiny", "--rows", "first", "reboot"])
+    assert "rows: unknown request(s) reboot" in capsys.readouterr().err
+
+    out = tmp_path / "results"
+    assert main(["webui", "--tiny", "--rows", "first", "again", "--out", str(out), "--name", "two",
+                 "--work-dir", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "two.json").read_text(encoding="utf-8"))
+    assert [(r["mode"], r["key"]) for r in results["rows"]] == [
+        ("stock", "first"), ("stock", "again"), ("auto", "first"), ("auto", "again")]
+    assert all("error" not in r and r["peak"] > 0 for r in results["rows"])
+    assert results["settings"]["rows"] == ["first", "again"]
+    table = (out / "two.md").read_text(encoding="utf-8")
+    assert "| first generation |" in table and "| first generation after a restart" not in table
