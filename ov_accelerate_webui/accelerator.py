@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .backend_bridge import BackendApi, backend_module
-from .compiled_route import VARYING_DIMS, CompiledRoute, make_forward
+from .compiled_route import VARYING_DIMS, CompiledRoute, compile_route, make_forward
 from .finite_guard import F32Switch
 from .lora import LoraHook
 from .model_parts import Target, checkpoint_key, find_targets
@@ -207,12 +207,16 @@ class Accelerator:
         f32_options: Mapping[str, Any] | None,
     ) -> PreparedRun:
         quantized = PRECISION_NAMES[settings.precision]
+        keys = {t.label: key for t in targets}
         if _quantized(quantized):
             unet_key, unet_backend = self._unet_backend(key, backend, quantized)
+            keys.update({t.label: unet_key for t in targets if t.part == "unet"})
             entries = [self._entry(unet_key, unet_backend, t) if t.part == "unet" else self._entry(key, backend, t)
                        for t in targets]
         else:
             entries = [self._entry(key, backend, t) for t in targets]
+        stats_before = dict(backend.stats())
+        self._release_other_builds(keys)
         f32_backend = self._backends.get(backend_key(f32_options)) if f32_options is not None else None
         routes = tuple(
             Route(t.module, self._make_forward(e, f32_options), t.label, t.method) for t, e in zip(targets, entries)
@@ -223,7 +227,7 @@ class Accelerator:
             first_report=len(backend.reports),
             settings=settings,
             checkpoint=checkpoint_key(model),
-            stats_before=dict(backend.stats()),
+            stats_before=stats_before,
             entries=tuple(entries),
             calls_before=tuple(e.calls for e in entries),
             eager_before=tuple(e.eager_calls for e in entries),
@@ -234,6 +238,19 @@ class Accelerator:
             f32_stats_before=dict(f32_backend.stats()) if f32_backend is not None else {},
         )
 
+    def _release_other_builds(self, keys: Mapping[str, BackendKey]) -> int:
+        """Release the compiled models of the routes' builds under other options than ``keys`` (route label ->
+        the options it runs with now): e.g. the UNet at *Automatic* once a generation runs it at INT8, which
+        would otherwise stay in memory beside it (a full SD 1.5 UNet: ~2 GB at bf16). Their converted models
+        stay: going back costs a compile. Returns how many were released."""
+        released = 0
+        for (key, label), entries in self._compiled.items():
+            if label in keys and key != keys[label]:
+                released += sum(entry.release() for entry in entries)
+        if released:
+            logger.info("released %d compiled model(s) built for other options than this generation's", released)
+        return released
+
     def _entry(self, key: BackendKey, backend: OVBackend, target: Target) -> CompiledRoute:
         entries = self._compiled.setdefault((key, target.label), [])
         entry = next((e for e in entries if e.module_ref() is target.module), None)
@@ -242,16 +259,10 @@ class Accelerator:
                 logger.info("%s is a new module object: compiling it too", target.label)
             function = getattr(type(target.module), target.method, None)
             source = getattr(target.module, target.method)
-            counter = self._counter(key, backend)
-            entry = CompiledRoute(
-                part=target.part,
-                label=target.label,
-                module_ref=weakref.ref(target.module),
-                compiled=torch.compile(source, backend=counter),
-                counter=counter,
-                varying_dims=dict(target.varying_dims) if target.varying_dims is not None else VARYING_DIMS,
-                code=getattr(function, "__code__", None),
-                source=source,
+            entry = compile_route(
+                target.part, target.label, weakref.ref(target.module), source, self._counter(key, backend),
+                dict(target.varying_dims) if target.varying_dims is not None else VARYING_DIMS,
+                getattr(function, "__code__", None),
             )
             entries.append(entry)
         return entry
@@ -266,15 +277,8 @@ class Accelerator:
         """The f32 build of ``entry``'s route (compiled on its first call, by the f32 backend)."""
         key = backend_key(options)
         counter = self._counter(key, self._backend(key, options))
-        return CompiledRoute(
-            part=entry.part,
-            label=entry.label,
-            module_ref=entry.module_ref,
-            compiled=torch.compile(entry.source, backend=counter),
-            counter=counter,
-            varying_dims=entry.varying_dims,
-            code=entry.code,
-        )
+        return compile_route(entry.part, entry.label, entry.module_ref, entry.source, counter, entry.varying_dims,
+                             entry.code)
 
     def keep_only(self, runs: Sequence[PreparedRun]) -> None:
         """Drop compiled forwards of module objects that none of ``runs`` routed (models A1111 replaced)."""

@@ -84,6 +84,30 @@ class CompiledRoute:
     """Why the route runs at f32 (set once the f32 build has run the call that was not finite)."""
     lora_applied: tuple[tuple[str, float, float], ...] = ()
     """The Lora extension's networks (name, TE and UNet strength) last written into this route's module."""
+    graphs: Any = None
+    """The ``GraphCollector`` that ``compiled`` was made with (releases its compiled models), or None."""
+
+    def release(self) -> int:
+        """Release the compiled models of this route and of its f32 build (their converted models stay:
+        using the route again costs a compile); returns how many were released."""
+        own = self.graphs.release() if self.graphs is not None else 0
+        return own + (self.f32.release() if self.f32 is not None else 0)
+
+
+def compile_route(
+    part: str,
+    label: str,
+    module_ref: weakref.ReferenceType,
+    source: Callable[..., Any],
+    counter: GraphRunCounter,
+    varying_dims: Mapping[int, tuple[int, ...]],
+    code: CodeType | None,
+) -> CompiledRoute:
+    """A route whose compiled forward is ``torch.compile(source)`` through ``counter`` (its graphs collected,
+    so that :meth:`CompiledRoute.release` can release their compiled models)."""
+    graphs = backend_module("graph_runs").GraphCollector(counter)
+    return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=torch.compile(source, backend=graphs),
+                         counter=counter, varying_dims=varying_dims, code=code, source=source, graphs=graphs)
 
 
 def make_forward(

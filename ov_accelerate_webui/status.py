@@ -67,8 +67,8 @@ def run_status(
     released = int(stats.get("released", 0))
     if released:
         lines.append(
-            f"Released {released} compiled model(s) no call of this generation used (other sizes or weights), "
-            "to keep memory down (using one again compiles it again)."
+            f"Released {released} compiled model(s) no call of this generation used (other sizes, weights or "
+            "precisions), to keep memory down (using one again compiles it again)."
         )
     fallbacks: dict[str, str] = {}
     for report in reports:

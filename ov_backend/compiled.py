@@ -69,6 +69,24 @@ class CompiledGraph:
             logger.info("%s: released %d compiled model(s) no call used since the current use window began",
                         self.name, released)
 
+    def release_compiled(self) -> int:
+        """Release every compiled model of this graph that it can compile again from what it keeps (the
+        converted or quantized models stay), e.g. when its owner runs this part at another precision now;
+        returns how many were released. A graph busy building in another thread is left alone (0)."""
+        if not self._lock.acquire(blocking=False):
+            return 0
+        try:
+            unused = set(self._last_used)
+            self._last_used.clear()
+            released = self._weights.release(unused)
+        finally:
+            self._lock.release()
+        if released:
+            self.context.stats.add(released=released)
+            logger.info("%s: released %d compiled model(s): its owner runs this part otherwise now",
+                        self.name, released)
+        return released
+
     def __call__(self, *args: Any) -> Any:
         weight_values, user_values = self.inputs.split(args)
         sig = signature(user_values, self.inputs.scalar_tensors)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import CodeType
 from typing import Any
@@ -45,6 +46,7 @@ class GraphRunCounter:
             local.graphs = getattr(local, "graphs", 0) + 1
             return compiled(*args)
 
+        run.graph = compiled  # type: ignore[attr-defined]  # (see GraphCollector)
         return run
 
     def graphs_run(self) -> int:
@@ -53,6 +55,35 @@ class GraphRunCounter:
 
     def reset(self) -> None:
         """``torch._dynamo.reset()`` calls this on every backend it used."""
+        self.backend.reset()
+
+
+class GraphCollector:
+    """The backend of one compiled function: ``backend`` (e.g. a :class:`GraphRunCounter`), keeping weak
+    references to the graphs it compiled for that function, so that their compiled models can be
+    released when the function's owner stops using it (see :meth:`release`)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._graphs: list[weakref.ref] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        compiled = self.backend(gm, example_inputs)
+        graph = getattr(compiled, "graph", compiled)
+        if hasattr(graph, "release_compiled"):
+            self._graphs.append(weakref.ref(graph))
+        return compiled
+
+    def release(self) -> int:
+        """Release the compiled models of this function's graphs (their next call compiles again, from the
+        models the graphs keep); returns how many were released."""
+        graphs = [g for g in (ref() for ref in self._graphs) if g is not None]
+        self._graphs = [weakref.ref(g) for g in graphs]
+        return sum(g.release_compiled() for g in graphs)
+
+    def reset(self) -> None:
+        """``torch._dynamo.reset()`` calls this on every backend it used."""
+        self._graphs.clear()
         self.backend.reset()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import threading
 import time
 from typing import Any
@@ -335,6 +336,14 @@ def test_int8_unet_calibrates_on_the_first_generation_then_runs_quantized(webui:
     webui.record("INT8 UNet vs stock f32", quality)
     assert quality >= INT8_MIN_PSNR, quality
     assert np.std(again.images[0]) > 5
+
+    # at another precision the INT8 UNet (and the VAE and text encoder at auto) are released, not kept in
+    # memory beside the new builds
+    webui.generate(accelerated(dict(payload, override_settings=dict(payload["override_settings"],
+                                                                    sdxl_crop_top=next(_unique)))))
+    status = webui.status()
+    assert_ran_in_openvino(status)
+    assert re.search(r"Released \d+ compiled model\(s\) .*precisions", status["status"]), status["status"]
 
 
 def test_restart_with_a_warm_cache(webui: WebUI) -> None:

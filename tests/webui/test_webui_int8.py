@@ -74,3 +74,44 @@ def test_precompile_does_not_calibrate_the_next_generation_does(fake_host: Any, 
     assert "INT8 quantization" not in extension.last_status
     extension.run(make_p(fake_host, steps=3), int8)
     assert "INT8 quantization; calibrated on 5 recorded call(s)" in extension.last_status, extension.last_status
+
+
+def test_switching_precision_releases_the_other_precisions_unet(
+    fake_host: Any, extension: Any, int8: Any, monkeypatch: Any
+) -> None:
+    """The UNet compiled at Automatic must not stay in memory beside the INT8 one (nor the other way round):
+    switching releases it (its converted model stays, so going back costs a compile, not a conversion)."""
+    import gc
+    import weakref
+
+    from ov_accelerate_webui.settings import PRECISION_NAMES
+    from ov_backend import runtime
+
+    compiled_models: list[weakref.ref] = []
+    init = runtime.OVRunner.__init__
+
+    def tracked(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        compiled_models.append(weakref.ref(self.compiled))
+
+    def alive() -> int:
+        gc.collect()
+        return sum(ref() is not None for ref in compiled_models)
+
+    auto_label = next(label for label, short in PRECISION_NAMES.items() if short == "auto")
+    auto = dataclasses.replace(int8, precision=auto_label)
+    monkeypatch.setattr(runtime.OVRunner, "__init__", tracked)
+    extension.run(make_p(fake_host, steps=3), auto)
+    at_auto = alive()  # UNet, VAE decoder and text encoder
+    assert at_auto >= 3
+
+    extension.run(make_p(fake_host, steps=3), int8)
+    status = extension.last_status
+    assert "Released 1 compiled model(s)" in status and "precisions" in status, status
+    extension.run(make_p(fake_host, steps=3), int8)  # the INT8 UNet compiled: still one UNet in memory
+    assert alive() == at_auto, status
+
+    back = extension.run(make_p(fake_host, steps=3), auto)
+    status = extension.last_status
+    assert "Released 1 compiled model(s)" in status and "convert 0.00s" in status, status
+    assert alive() == at_auto and len(back.images) == 1
