@@ -89,6 +89,8 @@ class PreparedRun:
     """Compile reports of the f32 backend before the run (0 if it did not exist yet)."""
     f32_stats_before: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """The f32 backend's counters before the run (empty if it did not exist yet)."""
+    released_other: int = 0
+    """Compiled models of builds for other options released as the run began."""
 
 
 def _quantized(precision: str) -> bool:
@@ -215,8 +217,7 @@ class Accelerator:
                        for t in targets]
         else:
             entries = [self._entry(key, backend, t) for t in targets]
-        stats_before = dict(backend.stats())
-        self._release_other_builds(keys)
+        released = self._release_other_builds(keys)  # (counted apart: the builds may be another backend's)
         f32_backend = self._backends.get(backend_key(f32_options)) if f32_options is not None else None
         routes = tuple(
             Route(t.module, self._make_forward(e, f32_options), t.label, t.method) for t, e in zip(targets, entries)
@@ -227,7 +228,8 @@ class Accelerator:
             first_report=len(backend.reports),
             settings=settings,
             checkpoint=checkpoint_key(model),
-            stats_before=stats_before,
+            stats_before=dict(backend.stats()),
+            released_other=released,
             entries=tuple(entries),
             calls_before=tuple(e.calls for e in entries),
             eager_before=tuple(e.eager_calls for e in entries),
@@ -392,4 +394,5 @@ class Accelerator:
         for k, v in f32_now.items():
             if isinstance(v, (int, float)):
                 result[k] = result.get(k, 0) + v - run.f32_stats_before.get(k, 0)
+        result["released"] = result.get("released", 0) + run.released_other
         return result

@@ -84,7 +84,7 @@ def test_switching_precision_releases_the_other_precisions_unet(
     import gc
     import weakref
 
-    from ov_accelerate_webui.settings import PRECISION_NAMES
+    from ov_accelerate_webui.settings import PRECISION_F32, PRECISION_NAMES
     from ov_backend import runtime
 
     compiled_models: list[weakref.ref] = []
@@ -115,3 +115,8 @@ def test_switching_precision_releases_the_other_precisions_unet(
     status = extension.last_status
     assert "Released 1 compiled model(s)" in status and "convert 0.00s" in status, status
     assert alive() == at_auto and len(back.images) == 1
+
+    # another backend (f32): the release of the auto builds is reported in its run's status too
+    extension.run(make_p(fake_host, steps=3), dataclasses.replace(int8, precision=PRECISION_F32))
+    assert "Released 3 compiled model(s)" in extension.last_status, extension.last_status
+    assert alive() == at_auto
