@@ -58,16 +58,8 @@ class CompiledGraph:
         if not self.context.window.releasing:
             return
         window = self.context.window.current
-        unused = {key for key, last in self._last_used.items() if last < window}
-        if not unused:
-            return
-        for key in unused:
-            del self._last_used[key]
-        released = self._weights.release(unused)
-        if released:
-            self.context.stats.add(released=released)
-            logger.info("%s: released %d compiled model(s) no call used since the current use window began",
-                        self.name, released)
+        self._release({key for key, last in self._last_used.items() if last < window},
+                      "no call used since the current use window began")
 
     def release_compiled(self) -> int:
         """Release every compiled model of this graph that it can compile again from what it keeps (the
@@ -76,15 +68,20 @@ class CompiledGraph:
         if not self._lock.acquire(blocking=False):
             return 0
         try:
-            unused = set(self._last_used)
-            self._last_used.clear()
-            released = self._weights.release(unused)
+            return self._release(set(self._last_used), "its owner runs this part otherwise now")
         finally:
             self._lock.release()
+
+    def _release(self, unused: set[tuple[str, Any]], why: str) -> int:
+        """Release the releasable variants ``(fingerprint, signature)`` in ``unused`` (lock held)."""
+        if not unused:
+            return 0
+        for key in unused:
+            del self._last_used[key]
+        released = self._weights.release(unused)
         if released:
             self.context.stats.add(released=released)
-            logger.info("%s: released %d compiled model(s): its owner runs this part otherwise now",
-                        self.name, released)
+            logger.info("%s: released %d compiled model(s): %s", self.name, released, why)
         return released
 
     def __call__(self, *args: Any) -> Any:
