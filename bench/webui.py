@@ -211,7 +211,7 @@ class Scenario:
                 status = self.ui.status()
                 record.update({k: status.get(k) for k in ("accelerated", "compiles", "compile_seconds",
                                                           "convert_seconds", "released", "run_seconds", "cache_hits",
-                                                          "ov_calls", "eager_calls")})
+                                                          "ov_calls", "eager_calls", "lora_write_seconds")})
                 record["status"] = status.get("status", "")
         except (AssertionError, OSError, RuntimeError) as err:
             record["error"] = str(err)[:2000]

@@ -38,7 +38,7 @@ import torch
 from .backend_bridge import BackendApi, backend_module
 from .compiled_route import VARYING_DIMS, CompiledRoute, compile_route, make_forward
 from .finite_guard import F32Switch
-from .lora import LoraHook
+from .lora import LoraChange, LoraHook
 from .model_parts import Target, checkpoint_key, find_targets
 from .routing import Route
 from .settings import PRECISION_F32, PRECISION_NAMES, AccelerateSettings
@@ -295,8 +295,8 @@ class Accelerator:
         f32_build = None if f32_options is None else (lambda: self._f32_build(entry, f32_options))
         return self._lora.wrap(make_forward(entry, self._lock, self._notify, f32_build), entry)
 
-    def lora_changes(self) -> list[tuple[str, str]]:
-        """(route label, networks) for routes whose LoRA changed since the last call (then cleared)."""
+    def lora_changes(self) -> list[LoraChange]:
+        """The routes whose LoRA changed since the last call (then cleared)."""
         return self._lora.take_changes()
 
     def _drop_all(self) -> None:

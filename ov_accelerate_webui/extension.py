@@ -18,7 +18,7 @@ from .accelerator import WINDOW_CONTINUE, WINDOW_NEW, WINDOW_OFF, Accelerator
 from .attention import FusedAttention
 from .backend_bridge import BackendApi, BackendUnavailable, backend_module, load_backend
 from .infotext import generation_params
-from .lora import changes_line
+from .lora import LoraChange, changes_line
 from .model_parts import UnsupportedModel, checkpoint_key, checkpoint_label
 from .precompile import ReadySizes, Size, parse_sizes
 from .session import RoutingSession
@@ -292,7 +292,7 @@ def _run_report(
     stats: dict[str, float],
     reports: list[Any],
     switches: list[str],
-    lora_changes: list[tuple[str, str]],
+    lora_changes: list[LoraChange],
 ) -> dict[str, Any]:
     """The status route's data for a run that went through OpenVINO."""
     fallbacks: dict[str, str] = {}
@@ -307,7 +307,8 @@ def _run_report(
         "compiles": len(reports),
         "fallback_ops": fallbacks,
         "switches": list(switches),
-        "lora_changes": {label: networks for label, networks in lora_changes},
+        "lora_changes": {change.label: change.networks for change in lora_changes},
+        "lora_write_seconds": sum(change.write_seconds for change in lora_changes),
         **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
                                                "convert_seconds", "run_seconds", "released")},
     }

@@ -63,6 +63,12 @@ def test_tiny_run_measures_every_row(tmp_path):
     for label in ("| first size, batch 1 |", "| first size, batch 4 |"):
         line = next(x for x in table.splitlines() if x.startswith(label))
         assert len(re.findall(NUMBER, line)) >= 4, line  # batch size, stock s/it, accelerated s/it, speed-up
+    # a LoRA change is costed apart from the run: A1111's own weight writing, the extension's build
+    for key in ("lora", "lora_change"):
+        assert rows[("auto", key)]["lora_write_seconds"] > 0, rows[("auto", key)]["status"]
+    line = next(x for x in table.splitlines() if x.startswith("| LoRA weight change / second size, seconds above"))
+    assert re.search(NUMBER + "x", line), line
+    assert re.search(r"auto: LoRA weight change \d+\.\d s above its run .* writing the weights \d+\.\d s\)", table)
     phases = {p["mode"]: p for p in results["phases"]}
     assert phases["auto"]["cache_files"] > 0 and phases["auto"]["cache_bytes"] > 0
     assert phases["auto"]["peak"] >= phases["stock"]["peak"] > 0

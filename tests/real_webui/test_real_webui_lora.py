@@ -73,6 +73,8 @@ def test_lora_matches_stock_and_follows_each_change(webui: WebUI) -> None:
         expected = f"ovtest-lora:{w:g}" if w is not None else "none"
         assert set(f.status["lora_changes"].values()) == {expected}, f.status
         assert "LoRA changed:" in f.status["status"] and "Cost:" in f.status["status"], f.status["status"]
+        # A1111's own weight writing is timed apart from the backend's cost
+        assert f.status["lora_write_seconds"] > 0 and "Lora extension wrote the new weights in" in f.status["status"]
         if i > 0:  # after this test's own run: the UNet's change is a compile of the model converted before
             # ("conversion reused for the new weights", or just "conversion reused" when the weights are back to
             # those it was converted from)

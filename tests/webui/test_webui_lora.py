@@ -127,8 +127,12 @@ def test_lora_and_each_change_of_it_match_stock(fake_host: Any, networks: Module
         expected = "lora:" + format(strengths[0], "g") if strengths else "none"
         assert report["lora_changes"] and set(report["lora_changes"].values()) == {expected}, report
         assert "LoRA changed:" in report["status"] and "Cost:" in report["status"]
+        # how long the Lora extension took to write the new weights is its own figure, not the backend's
+        assert report["lora_write_seconds"] > 0, report
+        assert "A1111's Lora extension wrote the new weights in" in report["status"], report["status"]
     fast = extension.run(make_p(fake_host, prompt="the same LoRA again"), f32)
     assert not extension.last_run_report()["lora_changes"]  # unchanged: nothing reported
+    assert extension.last_run_report()["lora_write_seconds"] == 0
 
 
 def test_functional_mode_runs_routed_parts_in_pytorch_and_says_why(
