@@ -48,7 +48,8 @@ class CompiledGraph:
         self.context = context
         self.inputs = GraphInputs(gm, example_inputs, kinds)
         self._lock = threading.RLock()
-        self._weights = WeightVariants(self.inputs, name, context.digests, self._lock)
+        self._weights = WeightVariants(self.inputs, name, context.digests, self._lock,
+                                       on_hash=lambda s: context.stats.add(compile_seconds=s, hash_seconds=s))
         self._builder = GraphBuilder(context, self.inputs, name)
         #: (weights fingerprint, signature) -> the use window of its last call
         self._last_used: dict[tuple[str, Any], int] = {}

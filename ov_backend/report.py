@@ -143,7 +143,8 @@ class Stats:
     load, OpenVINO compile); ``trace_seconds``, ``convert_seconds`` and ``ov_compile_seconds`` split
     it. ``run_seconds`` is time spent in calls of ready graphs. Dynamo's own capture is in neither.
     ``quantize_seconds`` (part of ``compile_seconds``) is NNCF's time making INT8 models; ``quantized``
-    counts them.
+    counts them. ``hash_seconds`` (part of ``compile_seconds`` too) is the time spent fingerprinting new
+    weights: a graph's first call, and each in-place change (a LoRA, a checkpoint loaded into the model).
     """
 
     def __init__(self) -> None:
@@ -151,7 +152,7 @@ class Stats:
         self._values = {"compile_seconds": 0.0, "trace_seconds": 0.0, "convert_seconds": 0.0,
                         "ov_compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
                         "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0,
-                        "quantize_seconds": 0.0, "quantized": 0}
+                        "quantize_seconds": 0.0, "quantized": 0, "hash_seconds": 0.0}
 
     def add(self, **amounts: float) -> None:
         with self._lock:

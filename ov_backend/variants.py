@@ -84,14 +84,17 @@ class WeightVariants:
         name: the graph's name, for logs.
         digests: the per-tensor digest memo shared by the backend's graphs.
         lock: the graph's lock (re-entrant), held while the current set changes.
+        on_hash: called with the seconds each new set of weights took to fingerprint (part of the cost of
+            getting a graph ready for them).
     """
 
     def __init__(self, inputs: GraphInputs, name: str, digests: weights.DigestMemo,
-                 lock: threading.RLock) -> None:
+                 lock: threading.RLock, on_hash: Callable[[float], None] | None = None) -> None:
         self._inputs = inputs
         self._name = name
         self._digests = digests
         self._lock = lock
+        self._on_hash = on_hash
         self._watch: weights.WeightWatch | None = None
         self._fingerprint: str | None = None
         self._by_weights: OrderedDict[str, dict[Any, Any]] = OrderedDict()
@@ -108,9 +111,11 @@ class WeightVariants:
             self._inputs.check_loaded(weight_values)
             start = time.perf_counter()
             fp = weights.fingerprint(weight_values, self._digests)
+            seconds = time.perf_counter() - start
+            if self._on_hash is not None:
+                self._on_hash(seconds)
             if self._watch is not None:
-                logger.info("%s: weights changed (fingerprint %s, %.2fs); %s", self._name, fp[:12],
-                            time.perf_counter() - start,
+                logger.info("%s: weights changed (fingerprint %s, %.2fs); %s", self._name, fp[:12], seconds,
                             "reusing models built for them" if fp in self._by_weights else "will recompile")
             if fp not in self._by_weights:
                 self._by_weights[fp] = {}

@@ -48,10 +48,13 @@ def test_lora_like_change_is_compiled_from_the_converted_model(backend):
     assert backend.reports[-1].route == "dynamic"
     converted = backend.stats()["convert_seconds"]
     assert converted > 0
+    hashed = backend.stats()["hash_seconds"]
+    assert 0 < hashed <= backend.stats()["compile_seconds"]  # fingerprinting the weights is part of the build
     original = model.q.weight.detach().clone()
     with torch.no_grad():
         model.q.weight.add_(torch.randn_like(model.q.weight))  # A1111's LoRA: an in-place write
     call(compiled, model, 8, 8)  # the picture of the new weights (compared with eager inside)
+    assert backend.stats()["hash_seconds"] > hashed  # the new weights were fingerprinted, and that is counted
     report = backend.reports[-1]
     assert [p.weights_changed for p in report.partitions] == [True]
     assert "conversion reused for the new weights" in report.summary()
