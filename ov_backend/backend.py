@@ -195,8 +195,9 @@ class OVBackend:
 
     def stats(self) -> dict[str, float]:
         """Counters (see :class:`ov_backend.report.Stats`): compile_seconds (with trace_seconds,
-        convert_seconds, ov_compile_seconds, quantize_seconds, hash_seconds), run_seconds, ov_calls, eager_calls, cache_hits, cache_misses,
-        compiles, released (compiled models released, see start_window)."""
+        convert_seconds, ov_compile_seconds, quantize_seconds, hash_seconds), run_seconds, ov_calls,
+        eager_calls, cache_hits, cache_misses, compiles, released (compiled models released, see
+        start_window)."""
         return self.stats_counter.snapshot()
 
     def reset(self) -> None:
