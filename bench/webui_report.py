@@ -205,10 +205,11 @@ def goals(results: dict[str, Any]) -> list[str]:
     costs = []
     for m in results["settings"]["precisions"]:
         lora, size2 = _find(rows, m, "lora_change"), _find(rows, m, "size2")
-        if above_run(m, "lora_change") is not None and above_run(m, "size2") is not None:
-            costs.append(f"{m}: LoRA weight change {above_run(m, 'lora_change'):.1f} s above its run (the extension's "
+        lora_above, size2_above = above_run(m, "lora_change"), above_run(m, "size2")
+        if lora_above is not None and size2_above is not None:
+            costs.append(f"{m}: LoRA weight change {lora_above:.1f} s above its run (the extension's "
                          f"build {_num(lora.get('compile_seconds'))} s, A1111's Lora extension writing the weights "
-                         f"{_num(lora.get('lora_write_seconds'))} s), second size {above_run(m, 'size2'):.1f} s "
+                         f"{_num(lora.get('lora_write_seconds'))} s), second size {size2_above:.1f} s "
                          f"(build {_num(size2.get('compile_seconds'))} s)")
     if costs:
         lines += ["", "Seconds above the run: the request's seconds less the time in its compiled models' calls "

@@ -59,8 +59,11 @@ def run_status(
     if eager:
         lines.append(backend_module("graph_runs").describe_eager(eager, routed))
     lines.extend(f32_lines(f32 or {}))
+    hashed = stats.get("hash_seconds", 0.0)
     lines.append(
-        f"Compile {stats.get('compile_seconds', 0.0):.1f} s, run {stats.get('run_seconds', 0.0):.1f} s; "
+        f"Compile {stats.get('compile_seconds', 0.0):.1f} s"
+        + (f" ({hashed:.1f} s of it fingerprinting new weights)" if hashed >= 0.05 else "")
+        + f", run {stats.get('run_seconds', 0.0):.1f} s; "
         f"{int(stats.get('ov_calls', 0))} OpenVINO calls, {int(stats.get('eager_calls', 0))} PyTorch "
         f"calls; cache hits {int(stats.get('cache_hits', 0))}."
     )

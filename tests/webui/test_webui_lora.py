@@ -210,3 +210,17 @@ def test_no_lora_extension_no_change(fake_host: Any, monkeypatch: pytest.MonkeyP
     forward = nn.Linear.forward
     layer = nn.Linear(2, 2)
     assert LoraHook(threading.RLock()).wrap(lambda: nn.Linear.forward, _entry(layer))() is forward
+
+
+def test_the_status_says_how_much_of_the_compile_was_fingerprinting_new_weights() -> None:
+    from ov_accelerate_webui.settings import AccelerateSettings
+    from ov_accelerate_webui.status import run_status
+
+    routed = {"model.diffusion_model": 4}
+    # a LoRA change: the new weights' fingerprint is part of what the backend spent getting ready
+    stats = {"compile_seconds": 2.9, "hash_seconds": 0.4, "run_seconds": 24.0}
+    text = run_status(AccelerateSettings(), routed, [], stats)
+    assert "Compile 2.9 s (0.4 s of it fingerprinting new weights), run 24.0 s;" in text, text
+    # nothing hashed (the same weights again): no such note
+    text = run_status(AccelerateSettings(), routed, [], {"compile_seconds": 0.0, "run_seconds": 24.0})
+    assert "Compile 0.0 s, run 24.0 s;" in text and "fingerprinting" not in text, text
