@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .backend_bridge import backend_module
+from .captures import RouteCaptures
 from .finite_guard import F32Switch, all_finite
 from .settings import PART_LABELS
 
@@ -86,6 +87,8 @@ class CompiledRoute:
     """The Lora extension's networks (name, TE and UNet strength) last written into this route's module."""
     graphs: Any = None
     """The ``GraphCollector`` that ``compiled`` was made with (releases its compiled models), or None."""
+    captures: RouteCaptures | None = None
+    """dynamo's captures of the method saved in the disk cache (None: torch.compile captures every process)."""
 
     def release(self) -> int:
         """Release the compiled models of this route and of its f32 build (their converted models stay:
@@ -106,8 +109,14 @@ def compile_route(
     """A route whose compiled forward is ``torch.compile(source)`` through ``counter`` (its graphs collected,
     so that :meth:`CompiledRoute.release` can release their compiled models)."""
     graphs = backend_module("graph_runs").GraphCollector(counter)
+    backend = counter.backend
+    caching = backend.settings.model_caching
+    captures = RouteCaptures(source, graphs, backend.settings.cache_dir if caching else None, varying_dims,
+                             getattr(backend, "versions", None) or {"torch": torch.__version__},
+                             getattr(getattr(backend, "stats_counter", None), "add", lambda **amounts: None))
     return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=torch.compile(source, backend=graphs),
-                         counter=counter, varying_dims=varying_dims, code=code, source=source, graphs=graphs)
+                         counter=counter, varying_dims=varying_dims, code=code, source=source, graphs=graphs,
+                         captures=captures)
 
 
 def make_forward(
@@ -132,13 +141,21 @@ def make_forward(
         with lock:
             new = signature not in build.seen
         if new:
-            mark_varying_dims(args, kwargs, build.varying_dims)
             shapes = "x".join(str(d) for d in signature[0][0]) if signature else "?"
             at = ", f32" if build is not entry else ""
             notify(f"OpenVINO: compiling {label} ({entry.label}{at}) for input {shapes} ...")
+
+        def through_torch_compile(*args: Any, **kwargs: Any) -> Any:
+            if new:  # (a saved capture is called with the arguments unmarked: its guards ask for that)
+                mark_varying_dims(args, kwargs, build.varying_dims)
+            return build.compiled(*args, **kwargs)
+
         before = build.counter.graphs_run()
         try:
-            result = build.compiled(*args, **kwargs)
+            if build.captures is not None:
+                result = build.captures.call(args, kwargs, through_torch_compile)
+            else:
+                result = through_torch_compile(*args, **kwargs)
         finally:
             if new:
                 notify(None)

@@ -67,6 +67,7 @@ def run_status(
         f"{int(stats.get('ov_calls', 0))} OpenVINO calls, {int(stats.get('eager_calls', 0))} PyTorch "
         f"calls; cache hits {int(stats.get('cache_hits', 0))}."
     )
+    lines.extend(capture_lines(stats))
     released = int(stats.get("released", 0))
     if released:
         lines.append(
@@ -88,6 +89,20 @@ def run_status(
             else "Nothing fell back to PyTorch."
         )
     return "\n".join(lines)
+
+
+def capture_lines(stats: Mapping[str, float]) -> list[str]:
+    """What PyTorch's graph capture (dynamo tracing the model's Python code) cost in the run, when it was
+    measured: captured now and saved for the next start, or loaded from the disk cache."""
+    made, loaded = int(stats.get("captures_made", 0)), int(stats.get("captures_loaded", 0))
+    if not made and not loaded:
+        return []
+    what = []
+    if made:
+        what.append(f"{made} captured (dynamo tracing the model's code) and saved for the next start")
+    if loaded:
+        what.append(f"{loaded} loaded from the disk cache instead of tracing again")
+    return [f"Graph capture {stats.get('capture_seconds', 0.0):.1f} s: " + "; ".join(what) + "."]
 
 
 def f32_lines(f32: Mapping[str, tuple[F32Switch, bool]]) -> list[str]:

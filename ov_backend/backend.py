@@ -21,8 +21,9 @@ import torch
 from ov_backend.cache import ModelCache
 from ov_backend.compiled import CompiledGraph
 from ov_backend.context import BuildContext
-from ov_backend.inputs import InputKind, classify_inputs
+from ov_backend.inputs import GraphFacts, InputKind, classify_inputs
 from ov_backend.ops import decomposition_table
+from ov_backend.portable import PortableGraph
 from ov_backend.precision import PRECISION_CONFIG
 from ov_backend.report import CompileReport, Stats
 from ov_backend.settings import BackendSettings, build_settings
@@ -92,7 +93,14 @@ class OVBackend:
         kinds = classify_inputs(gm)
         if self.settings.aot_autograd:
             return self._through_aot(gm, example_inputs, kinds)
-        return self._register(CompiledGraph(gm, example_inputs, kinds, self.build_context, self._next_name()))
+        return self.load_graph(gm, GraphFacts.read(gm, example_inputs, kinds))
+
+    def load_graph(self, gm: torch.fx.GraphModule, facts: GraphFacts) -> PortableGraph:
+        """The compiled graph for ``gm`` (its OpenVINO models built on its calls), able to save itself
+        with torch's ahead-of-time capture: dynamo's entry, and how a saved capture is loaded (see
+        :mod:`ov_backend.portable`)."""
+        return PortableGraph(self._register(CompiledGraph(gm, facts, self.build_context, self._next_name())),
+                             gm, facts)
 
     def _next_name(self) -> str:
         with self._lock:
@@ -115,7 +123,8 @@ class OVBackend:
                 logger.info("AOTAutograd changed the graph inputs (%d -> %d); weights are passed per call",
                             len(kinds), len(fw_inputs))
                 fw_kinds = [InputKind("user")] * len(fw_inputs)
-            graph = self._register(CompiledGraph(fw_gm, fw_inputs, fw_kinds, self.build_context, self._next_name()))
+            graph = self._register(CompiledGraph(fw_gm, GraphFacts.read(fw_gm, fw_inputs, fw_kinds),
+                                                 self.build_context, self._next_name()))
             return make_boxed_func(graph)
 
         def backward_compiler(bw_gm: torch.fx.GraphModule, bw_inputs: Sequence[Any]) -> Callable[..., Any]:

@@ -4,6 +4,7 @@ Layout under the cache folder::
 
     models/<key>/model.xml, model.bin, meta.json   one converted model per entry
     blobs/                                          OpenVINO's own CACHE_DIR (compiled blobs)
+    captures/<key>.capture                          torch's saved captures (see ov_backend.portable)
 
 An entry is written into a temporary folder and renamed into place, and ``meta.json`` (with
 the size and a checksum of every file) is written last, so a process killed mid-write leaves
@@ -50,7 +51,8 @@ class CacheEntry:
     """One item in the cache.
 
     Attributes:
-        key: the entry's key (folder name), or "blobs/<file>" for OpenVINO's compiled blobs.
+        key: the entry's key (folder name), "blobs/<file>" for OpenVINO's compiled blobs, or
+            "captures/<file>" for a saved capture.
         path: where it lives.
         size_bytes: its size on disk.
         last_used: seconds since the epoch of its last load or store.
@@ -116,6 +118,17 @@ class ModelCache:
     def blob_dir(self) -> Path:
         """The folder handed to OpenVINO as CACHE_DIR."""
         return self.root / "blobs"
+
+    @property
+    def capture_dir(self) -> Path:
+        """The folder of saved captures (dynamo's work for a function, see :mod:`ov_backend.portable`)."""
+        return self.root / "captures"
+
+    def capture_file(self, key: str) -> Path:
+        """Where the capture ``key`` is saved (whether or not it is)."""
+        if not key or "/" in key or key.startswith("."):
+            raise ValueError(f"invalid capture key {key!r}")
+        return self.capture_dir / f"{key}.capture"
 
     def _entry_dir(self, key: str) -> Path:
         if not key or "/" in key or key.startswith("."):
@@ -243,8 +256,9 @@ class ModelCache:
         keys: set[str] = set()
         if self.models_dir.is_dir():
             keys.update(e.name for e in self.models_dir.iterdir() if e.is_dir() and not e.name.startswith("."))
-        if self.blob_dir.is_dir():
-            keys.update(f"blobs/{b.name}" for b in self.blob_dir.iterdir() if b.is_file())
+        for sub in (self.blob_dir, self.capture_dir):
+            if sub.is_dir():
+                keys.update(f"{sub.name}/{b.name}" for b in sub.iterdir() if b.is_file())
         return keys
 
     def entries(self) -> list[CacheEntry]:
@@ -261,12 +275,14 @@ class ModelCache:
                     meta, last_used = {}, entry.stat().st_mtime
                 found.append(CacheEntry(entry.name, entry, _dir_size(entry), last_used,
                                         str(meta.get("description", "(damaged)" if not meta else ""))))
-        if self.blob_dir.is_dir():
-            for blob in self.blob_dir.iterdir():
-                if blob.is_file():
-                    st = blob.stat()
-                    found.append(CacheEntry(f"blobs/{blob.name}", blob, st.st_size, st.st_mtime,
-                                            "OpenVINO compiled blob"))
+        for sub, description in ((self.blob_dir, "OpenVINO compiled blob"),
+                                 (self.capture_dir, "saved capture of a compiled function (torch.compile)")):
+            if sub.is_dir():
+                for item in sub.iterdir():
+                    if item.is_file():
+                        st = item.stat()
+                        found.append(CacheEntry(f"{sub.name}/{item.name}", item, st.st_size, st.st_mtime,
+                                                description))
         return sorted(found, key=lambda e: e.last_used, reverse=True)
 
     def total_bytes(self) -> int:
@@ -283,7 +299,7 @@ class ModelCache:
         """Remove the given entries (all, with ``keys=None``, leftovers included); returns the keys removed."""
         if keys is None:
             removed = [e.key for e in self.entries()]
-            for sub in (self.models_dir, self.blob_dir):
+            for sub in (self.models_dir, self.blob_dir, self.capture_dir):
                 shutil.rmtree(sub, ignore_errors=True)
             self.failures_file.unlink(missing_ok=True)
             return removed

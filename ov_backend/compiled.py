@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ov_backend.context import BuildContext, OpenVINOFallbackError
-from ov_backend.inputs import GraphInputs, InputKind, classify_inputs, signature, signature_text
+from ov_backend.inputs import GraphFacts, GraphInputs, InputKind, classify_inputs, signature, signature_text
 from ov_backend.routes import GraphBuilder
 from ov_backend.variants import MAX_WEIGHT_VARIANTS, WeightVariants
 
@@ -35,18 +34,16 @@ class CompiledGraph:
 
     Args:
         gm: the captured graph.
-        example_inputs: dynamo's example inputs (real weights, fake or real activations).
-        kinds: what each input is (see :func:`ov_backend.inputs.classify_inputs`).
+        facts: what its inputs and outputs are (:meth:`ov_backend.inputs.GraphFacts.read`).
         context: what the backend lends (settings, OpenVINO core, cache, counters, report sink).
         name: a name for logs and reports.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[InputKind],
-                 context: BuildContext, name: str) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, facts: GraphFacts, context: BuildContext, name: str) -> None:
         self.gm = gm
         self.name = name
         self.context = context
-        self.inputs = GraphInputs(gm, example_inputs, kinds)
+        self.inputs = GraphInputs(gm, facts)
         self._lock = threading.RLock()
         self._weights = WeightVariants(self.inputs, name, context.digests, self._lock,
                                        on_hash=lambda s: context.stats.add(compile_seconds=s, hash_seconds=s))

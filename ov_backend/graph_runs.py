@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ov_backend.portable import PortableGraph
+
 logger = logging.getLogger(__name__)
 
 #: What :func:`why_eager` says lasts the fallback, unless the caller knows better (the WebUI does).
@@ -39,7 +41,13 @@ class GraphRunCounter:
         self._local = threading.local()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        compiled = self.backend(gm, example_inputs)
+        return self._counting(self.backend(gm, example_inputs))
+
+    def load_graph(self, gm: torch.fx.GraphModule, facts: Any) -> Callable[..., Any]:
+        """The backend's compiled graph for a saved capture's ``gm`` (see ``ov_backend.portable``), counted."""
+        return self._counting(self.backend.load_graph(gm, facts))
+
+    def _counting(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
         local = self._local
 
         def run(*args: Any) -> Any:
@@ -47,7 +55,8 @@ class GraphRunCounter:
             return compiled(*args)
 
         run.graph = compiled  # type: ignore[attr-defined]  # (see GraphCollector)
-        return run
+        # a graph that can be saved with torch's ahead-of-time capture stays so
+        return compiled.rewrap(run) if isinstance(compiled, PortableGraph) else run
 
     def graphs_run(self) -> int:
         """Compiled graphs that ran in this thread so far."""
@@ -68,7 +77,13 @@ class GraphCollector:
         self._graphs: list[weakref.ref] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        compiled = self.backend(gm, example_inputs)
+        return self._collect(self.backend(gm, example_inputs))
+
+    def load_graph(self, gm: torch.fx.GraphModule, facts: Any) -> Callable[..., Any]:
+        """The backend's compiled graph for a saved capture's ``gm`` (see ``ov_backend.portable``), collected."""
+        return self._collect(self.backend.load_graph(gm, facts))
+
+    def _collect(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
         graph = getattr(compiled, "graph", compiled)
         if hasattr(graph, "release_compiled"):
             self._graphs.append(weakref.ref(graph))

@@ -93,61 +93,79 @@ def output_dtype(node: Any) -> torch.dtype | None:
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the build routes need to know of a graph's inputs and outputs beyond the graph itself: read
+    from dynamo's example values once, and kept with a saved capture (which holds no example values).
+
+    Attributes:
+        kinds: what each input is.
+        symbolic: dynamo gave the graph symbolic sizes.
+        scalar_tensors: positions (among user inputs) of Python numbers passed as 0-d tensors.
+        dynamic_dims: for each user input, its symbolic dimensions; None when traced per signature.
+        output_dtypes: each output's dtype name, or None for a non-tensor output.
+    """
+
+    kinds: tuple[InputKind, ...]
+    symbolic: bool
+    scalar_tensors: frozenset[int]
+    dynamic_dims: tuple[tuple[int, ...], ...] | None
+    output_dtypes: tuple[str | None, ...]
+
+    @classmethod
+    def read(cls, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[InputKind]) -> GraphFacts:
+        """The facts of ``gm`` from dynamo's example values (its placeholders' and outputs' metadata)."""
+        kinds = tuple(kinds)
+        user_index = [i for i, k in enumerate(kinds) if k.kind == "user"]
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # dynamo's fake example values carry the symbolic sizes; the real example inputs do not
+        values = [n.meta.get("example_value", e) for n, e in zip(placeholders, example_inputs)]
+        symbolic = any(isinstance(v, torch.SymInt) for v in values) or any(
+            isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape) for v in values)
+        # Python numbers dynamo did not specialise (e.g. a norm's eps with dynamic=True) arrive as
+        # 0-d tensors the graph only reads with .item(): they are baked into each signature's model
+        scalar_tensors = frozenset(
+            pos for pos, i in enumerate(user_index)
+            if isinstance(values[i], torch.Tensor) and values[i].dim() == 0 and placeholders[i].users
+            and all(u.op == "call_method" and u.target == "item" for u in placeholders[i].users))
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        dtypes = tuple(output_dtype(o) for o in (out if isinstance(out, (tuple, list)) else [out]))
+        output_dtypes = tuple(str(d).replace("torch.", "") if d is not None else None for d in dtypes)
+        dims = None
+        if symbolic and not scalar_tensors and None not in output_dtypes:
+            found = [[d for d, size in enumerate(values[i].shape) if isinstance(size, torch.SymInt)]
+                     if isinstance(values[i], torch.Tensor) else None for i in user_index]
+            # a scalar input is baked per value: such a graph is traced per signature instead
+            dims = None if any(d is None for d in found) else tuple(tuple(d) for d in found)
+        return cls(kinds, symbolic, scalar_tensors, dims, output_dtypes)
+
+
 class GraphInputs:
     """One captured graph's inputs and outputs, as the build routes see them.
 
     Args:
         gm: the captured graph.
-        example_inputs: dynamo's example inputs (real weights, fake or real activations).
-        kinds: what each input is (see :func:`classify_inputs`).
+        facts: what the build routes need to know of its inputs and outputs (:meth:`GraphFacts.read`).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[InputKind]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, facts: GraphFacts) -> None:
         self.gm = gm
-        self.kinds = list(kinds)
+        self.facts = facts
+        self.kinds = list(facts.kinds)
         self.weight_index = [i for i, k in enumerate(self.kinds) if k.kind == "weight"]
         self.user_index = [i for i, k in enumerate(self.kinds) if k.kind == "user"]
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        # dynamo's fake example values carry the symbolic sizes; the real example inputs do not
-        values = [n.meta.get("example_value", e) for n, e in zip(placeholders, example_inputs)]
-        self.symbolic = any(isinstance(v, torch.SymInt) for v in values) or any(
-            isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape) for v in values)
-        # Python numbers dynamo did not specialise (e.g. a norm's eps with dynamic=True) arrive as
-        # 0-d tensors the graph only reads with .item(): they are baked into each signature's model
-        self.scalar_tensors = frozenset(
-            pos for pos, i in enumerate(self.user_index)
-            if isinstance(values[i], torch.Tensor) and values[i].dim() == 0 and placeholders[i].users
-            and all(u.op == "call_method" and u.target == "item" for u in placeholders[i].users))
+        self.symbolic = facts.symbolic
+        self.scalar_tensors = facts.scalar_tensors
         #: for each user input, its symbolic dimensions; None when the graph is traced per signature
-        self.dynamic_dims = None if self.scalar_tensors else self._find_dynamic_dims(values)
+        self.dynamic_dims = [list(d) for d in facts.dynamic_dims] if facts.dynamic_dims is not None else None
         #: how many ops the graph holds (as a partition report counts them)
         self.op_count = sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
-    def _find_dynamic_dims(self, example_inputs: Sequence[Any]) -> list[list[int]] | None:
-        """For each user input, its symbolic dimensions; None if the graph cannot be exported whole."""
-        if not self.symbolic:
-            return None
-        dims: list[list[int]] = []
-        for i in self.user_index:
-            e = example_inputs[i]
-            if not isinstance(e, torch.Tensor):
-                return None  # a scalar input is baked per value: trace per signature instead
-            dims.append([d for d, size in enumerate(e.shape) if isinstance(size, torch.SymInt)])
-        if not self.outputs_are_tensors():
-            return None
-        return dims
-
-    def outputs(self) -> list[torch.fx.Node]:
-        """The graph's output nodes, in order."""
-        out = next(n for n in self.gm.graph.nodes if n.op == "output").args[0]
-        return list(out) if isinstance(out, (tuple, list)) else [out]
-
     def outputs_are_tensors(self) -> bool:
-        return all(isinstance(o, torch.fx.Node) and isinstance(o.meta.get("example_value"), torch.Tensor)
-                   for o in self.outputs())
+        return None not in self.facts.output_dtypes
 
     def output_dtypes(self) -> list[torch.dtype | None]:
-        return [output_dtype(o) for o in self.outputs()]
+        return [getattr(torch, d) if d is not None else None for d in self.facts.output_dtypes]
 
     def split(self, args: Sequence[Any]) -> tuple[list[torch.Tensor], list[Any]]:
         """A call's arguments as (weights, user inputs)."""

@@ -145,6 +145,9 @@ class Stats:
     ``quantize_seconds`` (part of ``compile_seconds``) is NNCF's time making INT8 models; ``quantized``
     counts them. ``hash_seconds`` (part of ``compile_seconds`` too) is the time spent fingerprinting new
     weights: a graph's first call, and each in-place change (a LoRA, a checkpoint loaded into the model).
+    ``capture_seconds`` is dynamo's capture where its owner measures it (capturing ahead of time, or
+    loading a saved capture: see :mod:`ov_backend.portable`), apart from ``compile_seconds``;
+    ``captures_made`` and ``captures_loaded`` count those.
     """
 
     def __init__(self) -> None:
@@ -152,7 +155,8 @@ class Stats:
         self._values = {"compile_seconds": 0.0, "trace_seconds": 0.0, "convert_seconds": 0.0,
                         "ov_compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
                         "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0,
-                        "quantize_seconds": 0.0, "quantized": 0, "hash_seconds": 0.0}
+                        "quantize_seconds": 0.0, "quantized": 0, "hash_seconds": 0.0, "capture_seconds": 0.0,
+                        "captures_made": 0, "captures_loaded": 0}
 
     def add(self, **amounts: float) -> None:
         with self._lock:

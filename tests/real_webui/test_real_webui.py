@@ -105,6 +105,9 @@ def test_txt2img_matches_stock(webui: WebUI) -> None:
     assert_matches(webui, "txt2img (first accelerated generation)", stock, fast)
     assert 'OpenVINO: "CPU, UNet+VAE+TE, f32"' in fast.infotexts[0]
     assert np.std(stock.images[0]) > 5  # a picture, not a flat field
+    # dynamo captured each part whole, and saved the captures for the next start (see the restart test)
+    assert fast.status["captures_made"] >= 3 and fast.status["capture_seconds"] > 0, fast.status["status"]
+    assert "saved for the next start" in fast.status["status"], fast.status["status"]
 
 
 @pytest.mark.parametrize(("part", "relative_std"), [("unet", 0.05), ("vae", 0.1), ("te", 1.0)])
@@ -353,6 +356,9 @@ def test_restart_with_a_warm_cache(webui: WebUI) -> None:
     stock, fast = run_both(webui, request("a lighthouse on a cliff, after a restart"))
     assert_matches(webui, "after a restart (warm cache)", stock, fast)
     assert fast.status["cache_hits"] > 0, fast.status["status"]
+    # dynamo did not trace the parts again: their captures came from the disk cache
+    assert fast.status["captures_loaded"] >= 3 and fast.status["captures_made"] == 0, fast.status["status"]
+    assert "loaded from the disk cache instead of tracing again" in fast.status["status"], fast.status["status"]
     # the INT8 UNet quantized before the restart comes from the disk cache: no calibration
     webui.generate(accelerated(request("a red barn in a field, after a restart", steps=4), INT8_ARGS))
     status = webui.status()["status"]

@@ -1,0 +1,172 @@
+"""dynamo's capture of a routed module, saved in the disk cache so that the next WebUI process skips it.
+
+On a warm restart the OpenVINO models come from the disk cache in seconds, but dynamo still traces the
+Python code again to find the graphs: a full SD 1.5 UNet took about 14 s on two cores, more than the
+compiles. With torch's ahead-of-time capture (``ov_backend.portable``), a route captures its module's
+method once, saves the capture beside the models, and a later process loads it (about 1 s) instead.
+
+What keeps a saved capture honest:
+- its key names what was traced: the module's class, the method's code and source, the extension's and
+  torch's versions, and the form of the call (tensor ranks and dtypes, which varying sizes are 1: a
+  size of 1 stays static in the graph);
+- on load, the source of every function the capture traced must be unchanged, and on each call dynamo's
+  saved guards must hold, and so must the functions and classes its identity guards named (compared by
+  name and code location, as identities differ between processes).
+Anything else, or any failure to capture whole (a graph break), load or save, runs the route as before
+(``torch.compile`` capturing in this process), with the reason logged.
+
+A capture file is a pickle, like torch's own compile caches: the cache folder must be as trusted as the
+extension's code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backend_bridge import backend_module
+
+logger = logging.getLogger(__name__)
+
+#: How often one form of call is captured again when a capture's guards stop holding (e.g. a global
+#: the traced code reads changed), before the route is left to torch.compile for good.
+MAX_RECAPTURES = 2
+
+
+def _source_hash(function: Any) -> str:
+    try:
+        return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return ""
+
+
+def call_form(args: tuple[Any, ...], kwargs: Mapping[str, Any], varying: Mapping[int, tuple[int, ...]]) -> tuple:
+    """What distinguishes calls that need different captures: each argument's kind, and for tensors the
+    rank, dtype, device and which of its varying sizes are 1 (those stay static in the graph)."""
+    def form(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            ones = tuple(d for d in varying.get(value.dim(), ()) if value.shape[d] == 1)
+            return ("tensor", value.dim(), str(value.dtype), value.device.type, ones)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return (type(value).__name__, value if not isinstance(value, float) else None)
+        return (type(value).__name__,)
+
+    return (tuple(form(a) for a in args), tuple((k, form(kwargs[k])) for k in sorted(kwargs)),
+            torch.is_grad_enabled())
+
+
+class RouteCaptures:
+    """The saved captures of one routed module method, per form of call.
+
+    Args:
+        source: the method as routed (a bound method of the module).
+        backend: what the captured graphs run through (a ``GraphCollector``, so releases still reach them).
+        cache_dir: the backend's cache folder, or None when it does not cache (then nothing is saved).
+        varying: tensor rank -> the dimensions marked dynamic.
+        versions: what else the key must name (the extension's and torch's versions).
+        record: called with the time a capture or load took (``capture_seconds``) and what it was
+            (``captures_made=1`` or ``captures_loaded=1``), e.g. a backend's ``stats_counter.add``.
+    """
+
+    def __init__(self, source: Callable[..., Any], backend: Any, cache_dir: Path | None,
+                 varying: Mapping[int, tuple[int, ...]], versions: Mapping[str, str],
+                 record: Callable[..., None] = lambda **amounts: None) -> None:
+        self.source = source
+        self.record = record
+        self.backend = backend
+        self.varying = varying
+        self.cache = backend_module("cache").ModelCache(cache_dir) if cache_dir is not None else None
+        function = getattr(source, "__func__", None)
+        self.module = getattr(source, "__self__", None)
+        #: why this route runs without captures (None: it uses them)
+        self.off: str | None = None
+        if function is None or self.module is None:
+            self.off = "the routed method is not a plain method of the module"
+        self._base = {
+            "class": f"{type(self.module).__module__}.{type(self.module).__qualname__}",
+            "method": f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}",
+            "source": _source_hash(function), **versions,
+        }
+        self._captures: dict[str, Any] = {}
+        self._captured: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        payload = json.dumps({**self._base, "form": call_form(args, kwargs, self.varying)}, sort_keys=True,
+                             default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()[:40]
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], fallback: Callable[..., Any]) -> Any:
+        """Run the call with its capture, or with ``fallback`` (torch.compile's function) when it has none."""
+        found = self.find(args, kwargs)
+        return found(self.module, *args, **kwargs) if found is not None else fallback(*args, **kwargs)
+
+    def find(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
+        """The capture that runs this call (loaded or made now), or None: then torch.compile runs it."""
+        if self.off is not None:
+            return None
+        key = self.key(args, kwargs)
+        with self._lock:
+            found = self._captures.get(key)
+            if found is not None and found.matches(self.module, *args, **kwargs):
+                return found
+            if found is None and key not in self._captured:
+                found = self._load(key)
+                if found is not None and found.matches(self.module, *args, **kwargs):
+                    self._captures[key] = found
+                    return found
+            if self._captured.get(key, 0) > MAX_RECAPTURES:
+                return None
+            return self._capture(key, args, kwargs)
+
+    def _load(self, key: str) -> Any | None:
+        if self.cache is None:
+            return None
+        path = self.cache.capture_file(key)
+        if not path.is_file():
+            return None
+        start = time.perf_counter()
+        try:
+            loaded = backend_module("portable").load_capture(path, self.backend.load_graph)
+        except Exception as err:  # another torch, changed sources, a damaged file: capture again
+            logger.info("not using the saved capture %s: %s", path.name, err)
+            return None
+        seconds = time.perf_counter() - start
+        self.record(capture_seconds=seconds, captures_loaded=1)
+        path.touch()  # (its last use, for the cache's pruning)
+        logger.info("loaded the saved capture of %s in %.1f s (dynamo's tracing skipped)", self._base["method"],
+                    seconds)
+        return loaded
+
+    def _capture(self, key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
+        self._captured[key] = self._captured.get(key, 0) + 1
+        start = time.perf_counter()
+        try:
+            made = backend_module("portable").capture(self.source, args, dict(kwargs), self.backend,
+                                                      dict(self.varying))
+        except Exception as err:  # a graph break, a guard torch cannot save: torch.compile as before
+            self.off = f"it cannot be captured whole ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+            logger.info("%s runs through torch.compile without a saved capture: %s", self._base["method"], self.off)
+            return None
+        finally:
+            self.record(capture_seconds=time.perf_counter() - start)
+        self.record(captures_made=1)
+        self._captures[key] = made
+        if self.cache is not None:
+            path = self.cache.capture_file(key)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                made.save(path)
+            except Exception as err:  # a full disk, an object torch cannot save: used in this process only
+                logger.warning("could not save the capture of %s to %s (%s); the next WebUI start traces it again",
+                               self._base["method"], path, err)
+        return made if made.matches(self.module, *args, **kwargs) else None

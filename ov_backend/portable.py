@@ -1,0 +1,282 @@
+"""Compiled graphs that outlive the process: what torch's ahead-of-time capture saves of them.
+
+dynamo's capture of a graph (tracing the Python code, with symbolic sizes: about 14 s for a full SD 1.5
+UNet on two cores) is redone in every process. torch's ``torch.compile(...).aot_compile`` captures once
+and saves the result (the guards, the bytecode that calls the graph, and the graph's compiled function)
+if that function can serialise itself: :class:`PortableGraph` is such a function for a
+:class:`~ov_backend.compiled.CompiledGraph`. It saves the captured graph without its example values and
+weights (the weights are inputs of every call), with the :class:`~ov_backend.inputs.GraphFacts` the
+build routes need. Loading it builds a new ``CompiledGraph`` through the backend in charge
+(:func:`loading`): its OpenVINO models come from that backend's disk cache as before, since the graph's
+code, and so the cache key, is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._dynamo.aot_compile_types import SerializableCallable
+
+#: Version of what :meth:`PortableGraph.serialize_compile_artifacts` writes.
+PORTABLE_FORMAT = 1
+
+#: loader(gm, facts) -> the callable a loaded capture runs for ``gm`` (see :func:`loading`)
+_Loader = Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]
+_LOADER: contextvars.ContextVar[_Loader | None] = contextvars.ContextVar("ov_backend_portable_loader", default=None)
+
+
+class NotPortableError(RuntimeError):
+    """A saved graph cannot be loaded here (another format, or no backend to load it with)."""
+
+
+def dumps_graph(gm: torch.fx.GraphModule) -> bytes:
+    """``gm`` pickled without its nodes' metadata (put back afterwards: ``gm`` is left as it was).
+
+    dynamo's metadata holds fake tensors, a shape environment and references to the weights; what the
+    builds need of it is in the graph's GraphFacts."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    saved = [(node, node.meta) for node in gm.graph.nodes]
+    try:
+        for node, _ in saved:
+            node.meta = {}
+        return GraphPickler.dumps(gm, Options(ops_filter=None))
+    finally:
+        for node, meta in saved:
+            node.meta = meta
+
+
+def loads_graph(data: bytes) -> torch.fx.GraphModule:
+    """A graph pickled by :func:`dumps_graph`, with its code generated again."""
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise NotPortableError(f"a saved graph holds a {type(gm).__name__}, not a GraphModule")
+    gm.recompile()
+    return gm
+
+
+@contextlib.contextmanager
+def loading(loader: _Loader) -> Iterator[None]:
+    """Within the block, a saved :class:`PortableGraph` is loaded by ``loader(gm, facts)``, which returns
+    the callable the loaded capture runs (e.g. a backend's new compiled graph for ``gm``)."""
+    token = _LOADER.set(loader)
+    try:
+        yield
+    finally:
+        _LOADER.reset(token)
+
+
+class PortableGraph(SerializableCallable):
+    """The function dynamo runs for one captured graph, able to save itself with the capture.
+
+    Args:
+        run: what a call runs (the compiled graph, possibly wrapped, e.g. counting its runs).
+        gm: the captured graph.
+        facts: what the builds need of its inputs and outputs (a :class:`~ov_backend.inputs.GraphFacts`).
+    """
+
+    def __init__(self, run: Callable[..., Any], gm: torch.fx.GraphModule, facts: Any) -> None:
+        self.run = run
+        self.gm = gm
+        self.facts = facts
+
+    def __call__(self, *args: Any) -> Any:
+        return self.run(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        # what wrappers find on the compiled graph (e.g. "graph", "release_compiled")
+        if name in ("run", "gm", "facts"):
+            raise AttributeError(name)
+        return getattr(self.run, name)
+
+    def rewrap(self, run: Callable[..., Any]) -> PortableGraph:
+        """The same graph, running ``run`` (a wrapper of this one's function)."""
+        return PortableGraph(run, self.gm, self.facts)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: PortableGraph) -> bytes:
+        return pickle.dumps({"format": PORTABLE_FORMAT, "graph": dumps_graph(fn.gm), "facts": fn.facts})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> PortableGraph:
+        state = pickle.loads(data)  # noqa: S301  (our own cache file, written by serialize_compile_artifacts)
+        if not isinstance(state, dict) or state.get("format") != PORTABLE_FORMAT:
+            raise NotPortableError("a saved graph of another format")
+        loader = _LOADER.get()
+        if loader is None:
+            raise NotPortableError("a saved graph is loaded outside ov_backend.portable.loading()")
+        gm = loads_graph(state["graph"])
+        loaded = loader(gm, state["facts"])
+        return loaded if isinstance(loaded, PortableGraph) else PortableGraph(loaded, gm, state["facts"])
+
+
+# -- captures: torch's ahead-of-time capture of a function, saved and loaded ------------------------------
+#: Guard kinds torch cannot save: they compare object identities, which differ in every process. The
+#: capture keeps, in their place, a description of each object (:func:`describe`), compared on load.
+IDENTITY_GUARDS = ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH",
+                   "CLOSURE_MATCH", "WEAKREF_ALIVE", "BUILTIN_MATCH")
+#: Of those, the ones that name Python modules and builtins: the same name is the same object.
+_BY_NAME = ("MODULE_MATCH", "BUILTIN_MATCH", "DICT_VERSION", "WEAKREF_ALIVE")
+CAPTURE_FORMAT = 1
+
+
+def describe(value: Any) -> str:
+    """What an identity guard's object is, comparable across processes: a function by its module,
+    qualified name and code location; a class by module and name; anything else by its type."""
+    code = getattr(value, "__code__", None)
+    if code is not None:
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}@{code.co_filename}:" \
+               f"{code.co_firstlineno}"
+    if isinstance(value, type):
+        return f"class {value.__module__}.{value.__qualname__}"
+    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+    module = getattr(value, "__module__", None)
+    if isinstance(name, str) and isinstance(module, str):
+        return f"{module}.{name}"
+    return f"instance of {type(value).__module__}.{type(value).__qualname__}"
+
+
+class _ModuleGlobals(dict):
+    """A function's globals as dynamo's guard names read them: ``G['__import_a_dot_b']`` is module a.b,
+    ``G['__builtins_dict___0']`` the builtins."""
+
+    def __missing__(self, key: str) -> Any:
+        import builtins
+        import sys
+
+        if key.startswith("__builtins_dict___"):
+            return builtins.__dict__
+        if key.startswith("__import_"):
+            module = sys.modules.get(key[len("__import_"):].replace("_dot_", "."))
+            if module is not None:
+                return module
+        raise KeyError(key)
+
+
+class Capture:
+    """One function captured ahead of time: dynamo's guards and bytecode and the compiled graph.
+
+    ``matches(*args, **kwargs)`` says whether a call may run it (the saved guards, and the objects of the
+    identity guards described as at the capture); calling it runs the call.
+    """
+
+    def __init__(self, function: Any, identities: dict[str, tuple[str, str]], module: str) -> None:
+        self.function = function  # torch._dynamo.aot_compile.AOTCompiledFunction
+        self.identities = identities
+        #: the name of the Python module whose globals the captured function reads
+        self.module = module
+        self.function.disable_guard_check()  # (matches() checks them once per call)
+
+    def matches(self, *args: Any, **kwargs: Any) -> bool:
+        try:
+            f_locals = self.function.prepare_f_locals(*args, **kwargs)
+            if not self.function._artifacts.guard_manager.check(f_locals):
+                return False
+            names = {**f_locals, "G": _ModuleGlobals(_globals_of(self.module))}
+            for name, (kind, described) in self.identities.items():
+                if kind not in _BY_NAME and describe(eval(name, {"__builtins__": __builtins__}, names)) != described:  # noqa: S307
+                    return False
+        except Exception:  # a name that no longer resolves, arguments of another form: not this capture
+            return False
+        return True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+    def save(self, path: Any) -> None:
+        """Write the capture to ``path`` (whole or not at all)."""
+        from torch._dynamo.aot_compile import AOTCompiledFunction, atomic_write_binary
+
+        body = AOTCompiledFunction.serialize(self.function).serialized_data
+        atomic_write_binary(str(path), pickle.dumps({"format": CAPTURE_FORMAT, "torch": torch.__version__,
+                                                     "identities": self.identities, "module": self.module,
+                                                     "function": body}))
+
+
+def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any,
+            dynamic: dict[int, tuple[int, ...]] | None = None) -> Capture:
+    """Capture ``function`` (e.g. a module's bound ``forward``) for calls like ``function(*args, **kwargs)``
+    through ``backend`` (whose graphs must be :class:`PortableGraph`), without running it.
+
+    ``dynamic`` (tensor rank -> dimensions) marks sizes as symbolic (sizes of 1 stay static). The
+    arguments are not marked themselves: stand-ins sharing their data are, so that dynamo's guards do not
+    ask later calls for the marking.
+
+    Raises:
+        whatever dynamo raises when the function cannot be captured whole and saved (a graph break, a
+        guard torch cannot save, a graph that is not a PortableGraph).
+    """
+    def stand_in(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        alias = value.detach().view_as(value) if not value.requires_grad else value.view_as(value)
+        for dim in (dynamic or {}).get(alias.dim(), ()):
+            if alias.shape[dim] > 1:
+                torch._dynamo.maybe_mark_dynamic(alias, dim)
+        return alias
+
+    identities: dict[str, tuple[str, str]] = {}
+
+    def keep(entries: Any) -> list[bool]:
+        kept = []
+        for entry in entries:
+            identity = entry.guard_type in IDENTITY_GUARDS or any(d in IDENTITY_GUARDS for d in entry.derived_guard_types)
+            if identity:
+                identities[entry.name] = (entry.guard_type, describe(entry.value) if entry.has_value else "")
+            kept.append(not identity)
+        return kept
+
+    compiled = torch.compile(function, backend=backend, fullgraph=True, options={"guard_filter_fn": keep})
+    aot = compiled.aot_compile((tuple(stand_in(a) for a in args), {k: stand_in(v) for k, v in kwargs.items()}))
+    return Capture(aot, identities, getattr(function, "__func__", function).__module__)
+
+
+def load_capture(path: Any, loader: _Loader) -> Capture:
+    """The capture saved at ``path``, its graphs loaded by ``loader`` (see :func:`loading`).
+
+    Raises:
+        NotPortableError: the file is of another format or torch version, or the source of a function it
+            traced changed since; OSError: it cannot be read.
+    """
+    import sys
+
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    with open(path, "rb") as fh:
+        state = pickle.load(fh)  # noqa: S301  (our own cache file, written by Capture.save)
+    if not isinstance(state, dict) or state.get("format") != CAPTURE_FORMAT:
+        raise NotPortableError(f"{path} is not a capture of this version")
+    if state.get("torch") != torch.__version__:
+        raise NotPortableError(f"{path} was captured with torch {state.get('torch')}, not {torch.__version__}")
+    module = state.get("module")
+    if sys.modules.get(module) is None:
+        raise NotPortableError(f"{path} is a capture of a function of {module}, which is not imported")
+    with loading(loader):
+        function = AOTCompiledFunction.deserialize(state["function"], f_globals=_globals_of(module))
+    for source in function.source_info().inlined_sources:
+        traced = sys.modules.get(source.module)
+        if traced is None or _source_checksum(traced, source.firstlineno, source.lastlineno) != source.checksum:
+            raise NotPortableError(f"the source of {source.module} (lines {source.firstlineno}-"
+                                   f"{source.lastlineno}) changed since the capture, or it is not imported")
+    return Capture(function, state["identities"], module)
+
+
+def _globals_of(module: str) -> dict[str, Any]:
+    import sys
+
+    return vars(sys.modules[module])
+
+
+def _source_checksum(module: Any, first: int, last: int) -> str:
+    from torch._dynamo.package import _get_sourcelines, _hash_source
+
+    return _hash_source("".join(_get_sourcelines(module, first, last)))

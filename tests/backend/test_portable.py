@@ -1,0 +1,118 @@
+"""A capture saved by one process runs in the next without dynamo tracing again, and is refused when
+what it traced changed (the source, or a function it called)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ov_backend import OVBackend, portable
+
+NET = textwrap.dedent('''
+    import torch
+
+
+    def act(x):
+        return torch.nn.functional.silu(x)
+
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = act(self.conv(x)).permute(0, 2, 3, 1)
+            return self.lin(h).permute(0, 3, 1, 2) * 0.5
+''')
+
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    import tinynet
+    from ov_backend import OVBackend, portable
+
+    mode, path, cache, change = sys.argv[2:6]
+    exec(change)
+    net = tinynet.Net().eval()
+    backend = OVBackend({"model_caching": True, "cache_dir": cache, "precision": "f32"})
+    with torch.no_grad():
+        if mode == "save":
+            cap = portable.capture(net.forward, (torch.randn(2, 4, 16, 16),), {}, backend, {4: (0, 2, 3)})
+            cap.save(path)
+        else:
+            try:
+                cap = portable.load_capture(path, backend.load_graph)
+            except portable.NotPortableError as err:
+                print(json.dumps({"refused": str(err)}))
+                sys.exit(0)
+        matches = {}
+        for h, w in ((16, 16), (8, 24)):
+            x = torch.randn(2, 4, h, w)
+            matches[f"{h}x{w}"] = cap.matches(net, x)
+            if matches[f"{h}x{w}"]:
+                torch.testing.assert_close(cap(net, x), net(x), atol=1e-4, rtol=1e-4)
+    print(json.dumps({"matches": matches, "stats": backend.stats()}))
+''')
+
+
+def run(tmp_path: Path, mode: str, change: str = "") -> dict:
+    (tmp_path / "tinynet.py").write_text(NET) if not (tmp_path / "tinynet.py").exists() else None
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode, str(tmp_path / "net.capture"),
+                           str(tmp_path / "cache"), change], capture_output=True, text=True, cwd=repo,
+                          timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    folder = tmp_path_factory.mktemp("portable")
+    return folder, run(folder, "save")
+
+
+def test_a_saved_capture_runs_in_a_new_process_from_the_disk_cache(saved: tuple[Path, dict]) -> None:
+    folder, first = saved
+    assert first["matches"] == {"16x16": True, "8x24": True}  # one capture, symbolic sizes
+    assert first["stats"]["convert_seconds"] > 0
+    again = run(folder, "load")
+    assert again["matches"] == {"16x16": True, "8x24": True}  # (outputs compared with PyTorch's inside)
+    assert again["stats"]["ov_calls"] == 2 and again["stats"]["eager_calls"] == 0
+    assert again["stats"]["cache_hits"] >= 1 and again["stats"]["convert_seconds"] == 0  # nothing converted
+
+
+def test_a_capture_is_refused_when_the_source_it_traced_changed(saved: tuple[Path, dict]) -> None:
+    folder, _ = saved
+    original = (folder / "tinynet.py").read_text()
+    try:
+        (folder / "tinynet.py").write_text(original.replace("* 0.5", "* 0.25"))
+        result = run(folder, "load")
+    finally:
+        (folder / "tinynet.py").write_text(original)
+    assert "tinynet" in result["refused"] and "changed" in result["refused"]
+
+
+def test_a_capture_does_not_match_when_a_function_it_called_was_replaced(saved: tuple[Path, dict]) -> None:
+    folder, _ = saved
+    result = run(folder, "load", "tinynet.act = lambda x: torch.relu(x)")
+    assert result["matches"] == {"16x16": False, "8x24": False}
+
+
+def test_a_graph_backend_cannot_save_is_not_captured(tmp_path: Path) -> None:
+    net = torch.nn.Linear(4, 4)
+    with pytest.raises(Exception, match="SerializableCallable"):
+        portable.capture(net.forward, (torch.randn(2, 4),), {}, lambda gm, example: gm.forward)
+    backend = OVBackend({"model_caching": True, "cache_dir": str(tmp_path), "precision": "f32"})
+    (tmp_path / "bad.capture").write_bytes(b"not a capture")
+    with pytest.raises(Exception):  # noqa: B017  (whatever unpickling raises: the caller captures again)
+        portable.load_capture(tmp_path / "bad.capture", backend.load_graph)
