@@ -264,7 +264,7 @@ class Accelerator:
             entry = compile_route(
                 target.part, target.label, weakref.ref(target.module), source, self._counter(key, backend),
                 dict(target.varying_dims) if target.varying_dims is not None else VARYING_DIMS,
-                getattr(function, "__code__", None),
+                getattr(function, "__code__", None), target.method,
             )
             entries.append(entry)
         return entry
@@ -280,7 +280,7 @@ class Accelerator:
         key = backend_key(options)
         counter = self._counter(key, self._backend(key, options))
         return compile_route(entry.part, entry.label, entry.module_ref, entry.source, counter, entry.varying_dims,
-                             entry.code)
+                             entry.code, entry.method)
 
     def keep_only(self, runs: Sequence[PreparedRun]) -> None:
         """Drop compiled forwards of module objects that none of ``runs`` routed (models A1111 replaced)."""

@@ -69,6 +69,7 @@ class RouteCaptures:
 
     Args:
         source: the method as routed (a bound method of the module).
+        attribute: the name the module's method is replaced under while routed.
         backend: what the captured graphs run through (a ``GraphCollector``, so releases still reach them).
         cache_dir: the backend's cache folder, or None when it does not cache (then nothing is saved).
         varying: tensor rank -> the dimensions marked dynamic.
@@ -77,10 +78,11 @@ class RouteCaptures:
             (``captures_made=1`` or ``captures_loaded=1``), e.g. a backend's ``stats_counter.add``.
     """
 
-    def __init__(self, source: Callable[..., Any], backend: Any, cache_dir: Path | None,
+    def __init__(self, source: Callable[..., Any], attribute: str, backend: Any, cache_dir: Path | None,
                  varying: Mapping[int, tuple[int, ...]], versions: Mapping[str, str],
                  record: Callable[..., None] = lambda **amounts: None) -> None:
         self.source = source
+        self.attribute = attribute
         self.record = record
         self.backend = backend
         self.varying = varying
@@ -150,6 +152,9 @@ class RouteCaptures:
     def _capture(self, key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
         self._captured[key] = self._captured.get(key, 0) + 1
         start = time.perf_counter()
+        # while routed, the module's own __dict__ holds the route's forward (this extension's objects):
+        # torch saves a module's plain attributes with the guards, so it is set aside while capturing
+        routed = vars(self.module).pop(self.attribute, None)
         try:
             made = backend_module("portable").capture(self.source, args, dict(kwargs), self.backend,
                                                       dict(self.varying))
@@ -158,6 +163,8 @@ class RouteCaptures:
             logger.info("%s runs through torch.compile without a saved capture: %s", self._base["method"], self.off)
             return None
         finally:
+            if routed is not None:
+                setattr(self.module, self.attribute, routed)
             self.record(capture_seconds=time.perf_counter() - start)
         self.record(captures_made=1)
         self._captures[key] = made

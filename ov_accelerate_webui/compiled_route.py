@@ -87,6 +87,8 @@ class CompiledRoute:
     """The Lora extension's networks (name, TE and UNet strength) last written into this route's module."""
     graphs: Any = None
     """The ``GraphCollector`` that ``compiled`` was made with (releases its compiled models), or None."""
+    method: str = "forward"
+    """The name of the module's method the route replaces."""
     captures: RouteCaptures | None = None
     """dynamo's captures of the method saved in the disk cache (None: torch.compile captures every process)."""
 
@@ -105,18 +107,20 @@ def compile_route(
     counter: GraphRunCounter,
     varying_dims: Mapping[int, tuple[int, ...]],
     code: CodeType | None,
+    method: str = "forward",
 ) -> CompiledRoute:
     """A route whose compiled forward is ``torch.compile(source)`` through ``counter`` (its graphs collected,
-    so that :meth:`CompiledRoute.release` can release their compiled models)."""
+    so that :meth:`CompiledRoute.release` can release their compiled models); ``method`` is the name the
+    routed module's method is replaced under."""
     graphs = backend_module("graph_runs").GraphCollector(counter)
     backend = counter.backend
     caching = backend.settings.model_caching
-    captures = RouteCaptures(source, graphs, backend.settings.cache_dir if caching else None, varying_dims,
+    captures = RouteCaptures(source, method, graphs, backend.settings.cache_dir if caching else None, varying_dims,
                              getattr(backend, "versions", None) or {"torch": torch.__version__},
                              getattr(getattr(backend, "stats_counter", None), "add", lambda **amounts: None))
     return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=torch.compile(source, backend=graphs),
                          counter=counter, varying_dims=varying_dims, code=code, source=source, graphs=graphs,
-                         captures=captures)
+                         captures=captures, method=method)
 
 
 def make_forward(
