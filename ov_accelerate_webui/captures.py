@@ -75,7 +75,7 @@ class RouteCaptures:
         varying: tensor rank -> the dimensions marked dynamic.
         versions: what else the key must name (the extension's and torch's versions).
         record: called with the time a capture or load took (``capture_seconds``) and what it was
-            (``captures_made=1`` or ``captures_loaded=1``), e.g. a backend's ``stats_counter.add``.
+            (``captures_made=1``, ``captures_saved=1`` or ``captures_loaded=1``), e.g. a backend's ``stats_counter.add``.
     """
 
     def __init__(self, source: Callable[..., Any], attribute: str, backend: Any, cache_dir: Path | None,
@@ -173,6 +173,7 @@ class RouteCaptures:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 made.save(path)
+                self.record(captures_saved=1)
             except Exception as err:  # a full disk, an object torch cannot save: used in this process only
                 logger.warning("could not save the capture of %s to %s (%s); the next WebUI start traces it again",
                                self._base["method"], path, err)

@@ -311,5 +311,5 @@ def _run_report(
         "lora_write_seconds": sum(change.write_seconds for change in lora_changes),
         **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
                                                "convert_seconds", "run_seconds", "released", "capture_seconds",
-                                               "captures_made", "captures_loaded")},
+                                               "captures_made", "captures_saved", "captures_loaded")},
     }

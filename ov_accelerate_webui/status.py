@@ -99,7 +99,9 @@ def capture_lines(stats: Mapping[str, float]) -> list[str]:
         return []
     what = []
     if made:
-        what.append(f"{made} captured (dynamo tracing the model's code) and saved for the next start")
+        saved = int(stats.get("captures_saved", 0))
+        what.append(f"{made} captured (dynamo tracing the model's code), "
+                    + ("all" if saved == made else f"{saved} of them") + " saved for the next start")
     if loaded:
         what.append(f"{loaded} loaded from the disk cache instead of tracing again")
     return [f"Graph capture {stats.get('capture_seconds', 0.0):.1f} s: " + "; ".join(what) + "."]

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import pickle
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -194,12 +196,47 @@ class Capture:
 
     def save(self, path: Any) -> None:
         """Write the capture to ``path`` (whole or not at all)."""
-        from torch._dynamo.aot_compile import AOTCompiledFunction, atomic_write_binary
+        from torch._dynamo import aot_compile
 
-        body = AOTCompiledFunction.serialize(self.function).serialized_data
+        with _SAVE_LOCK:  # torch's serialize() looks its pickler class up by name: ours for the call
+            plain = aot_compile.AOTCompilePickler
+            aot_compile.AOTCompilePickler = _by_code_pickler(plain)
+            try:
+                body = aot_compile.AOTCompiledFunction.serialize(self.function).serialized_data
+            finally:
+                aot_compile.AOTCompilePickler = plain
+        atomic_write_binary = aot_compile.atomic_write_binary
         atomic_write_binary(str(path), pickle.dumps({"format": CAPTURE_FORMAT, "torch": torch.__version__,
                                                      "identities": self.identities, "module": self.module,
                                                      "function": body}))
+
+
+_SAVE_LOCK = threading.Lock()
+
+
+def _importable_as_itself(function: Any) -> bool:
+    """Whether pickle can save ``function`` by name: its module's attribute of its qualified name is it."""
+    import sys
+
+    found: Any = sys.modules.get(getattr(function, "__module__", None) or "")
+    for part in getattr(function, "__qualname__", "").split("."):
+        found = getattr(found, part, None)
+    return found is function
+
+
+def _by_code_pickler(base: type) -> type:
+    """torch's capture pickler, which also saves by its code a function that its name no longer reaches
+    (e.g. the original ``UNetModel.forward`` that A1111's ``sd_unet`` keeps in a closure after replacing
+    it on the class): loaded, it is a new function of the same code, module and closure."""
+
+    class ByCodePickler(base):  # type: ignore[misc, valid-type]
+        def reducer_override(self, obj: Any) -> Any:
+            if inspect.isfunction(obj) and "<locals>" not in obj.__qualname__ and not _importable_as_itself(obj):
+                return type(self)._unpickle_nested_function, (obj.__code__, obj.__module__, obj.__qualname__,
+                                                               obj.__defaults__, obj.__closure__)
+            return super().reducer_override(obj)
+
+    return ByCodePickler
 
 
 def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any,

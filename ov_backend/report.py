@@ -147,7 +147,7 @@ class Stats:
     weights: a graph's first call, and each in-place change (a LoRA, a checkpoint loaded into the model).
     ``capture_seconds`` is dynamo's capture where its owner measures it (capturing ahead of time, or
     loading a saved capture: see :mod:`ov_backend.portable`), apart from ``compile_seconds``;
-    ``captures_made`` and ``captures_loaded`` count those.
+    ``captures_made``, ``captures_saved`` and ``captures_loaded`` count those.
     """
 
     def __init__(self) -> None:
@@ -156,7 +156,7 @@ class Stats:
                         "ov_compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
                         "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0,
                         "quantize_seconds": 0.0, "quantized": 0, "hash_seconds": 0.0, "capture_seconds": 0.0,
-                        "captures_made": 0, "captures_loaded": 0}
+                        "captures_made": 0, "captures_saved": 0, "captures_loaded": 0}
 
     def add(self, **amounts: float) -> None:
         with self._lock:

@@ -107,7 +107,8 @@ def test_txt2img_matches_stock(webui: WebUI) -> None:
     assert np.std(stock.images[0]) > 5  # a picture, not a flat field
     # dynamo captured each part whole, and saved the captures for the next start (see the restart test)
     assert fast.status["captures_made"] >= 3 and fast.status["capture_seconds"] > 0, fast.status["status"]
-    assert "saved for the next start" in fast.status["status"], fast.status["status"]
+    assert fast.status["captures_saved"] == fast.status["captures_made"], fast.status["status"]
+    assert "all saved for the next start" in fast.status["status"], fast.status["status"]
 
 
 @pytest.mark.parametrize(("part", "relative_std"), [("unet", 0.05), ("vae", 0.1), ("te", 1.0)])
