@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._dynamo.aot_compile import AOTCompilePickler
 from torch._dynamo.aot_compile_types import SerializableCallable
 
 #: Version of what :meth:`PortableGraph.serialize_compile_artifacts` writes.
@@ -200,7 +201,7 @@ class Capture:
 
         with _SAVE_LOCK:  # torch's serialize() looks its pickler class up by name: ours for the call
             plain = aot_compile.AOTCompilePickler
-            aot_compile.AOTCompilePickler = _by_code_pickler(plain)
+            aot_compile.AOTCompilePickler = _ByCodePickler
             try:
                 body = aot_compile.AOTCompiledFunction.serialize(self.function).serialized_data
             finally:
@@ -224,19 +225,16 @@ def _importable_as_itself(function: Any) -> bool:
     return found is function
 
 
-def _by_code_pickler(base: type) -> type:
+class _ByCodePickler(AOTCompilePickler):
     """torch's capture pickler, which also saves by its code a function that its name no longer reaches
     (e.g. the original ``UNetModel.forward`` that A1111's ``sd_unet`` keeps in a closure after replacing
     it on the class): loaded, it is a new function of the same code, module and closure."""
 
-    class ByCodePickler(base):  # type: ignore[misc, valid-type]
-        def reducer_override(self, obj: Any) -> Any:
-            if inspect.isfunction(obj) and "<locals>" not in obj.__qualname__ and not _importable_as_itself(obj):
-                return type(self)._unpickle_nested_function, (obj.__code__, obj.__module__, obj.__qualname__,
-                                                               obj.__defaults__, obj.__closure__)
-            return super().reducer_override(obj)
-
-    return ByCodePickler
+    def reducer_override(self, obj: Any) -> Any:
+        if inspect.isfunction(obj) and "<locals>" not in obj.__qualname__ and not _importable_as_itself(obj):
+            return type(self)._unpickle_nested_function, (obj.__code__, obj.__module__, obj.__qualname__,
+                                                           obj.__defaults__, obj.__closure__)
+        return super().reducer_override(obj)
 
 
 def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any,
