@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch._dynamo.aot_compile import AOTCompilePickler
 from torch._dynamo.aot_compile_types import SerializableCallable
+from torch._dynamo.guards import GuardsStatePickler
 
 #: Version of what :meth:`PortableGraph.serialize_compile_artifacts` writes.
 PORTABLE_FORMAT = 1
@@ -199,20 +200,22 @@ class Capture:
         """Write the capture to ``path`` (whole or not at all)."""
         from torch._dynamo import aot_compile
 
-        with _SAVE_LOCK:  # torch's serialize() looks its pickler class up by name: ours for the call
-            plain = aot_compile.AOTCompilePickler
-            aot_compile.AOTCompilePickler = _ByCodePickler
-            try:
-                body = aot_compile.AOTCompiledFunction.serialize(self.function).serialized_data
-            finally:
-                aot_compile.AOTCompilePickler = plain
-        atomic_write_binary = aot_compile.atomic_write_binary
-        atomic_write_binary(str(path), pickle.dumps({"format": CAPTURE_FORMAT, "torch": torch.__version__,
-                                                     "identities": self.identities, "module": self.module,
-                                                     "function": body}))
+        with _pickling_by_code():
+            body = aot_compile.AOTCompiledFunction.serialize(self.function).serialized_data
+        # globals dynamo installed for the bytecode (e.g. "___module_collections_<id>_c0"): modules, by name
+        installed = _globals_of(self.module)
+        modules = {}
+        for name in self.function._artifacts.runtime_env.external_refs:
+            value = installed.get(name)
+            if not inspect.ismodule(value):
+                raise NotPortableError(f"the capture's code reads the global {name}, which is not a module")
+            modules[name] = value.__name__
+        aot_compile.atomic_write_binary(str(path), pickle.dumps({
+            "format": CAPTURE_FORMAT, "torch": torch.__version__, "identities": self.identities,
+            "module": self.module, "modules": modules, "function": body}))
 
 
-_SAVE_LOCK = threading.Lock()
+_SAVE_LOCK = threading.RLock()
 
 
 def _importable_as_itself(function: Any) -> bool:
@@ -225,16 +228,46 @@ def _importable_as_itself(function: Any) -> bool:
     return found is function
 
 
+def _by_code(pickler: Any, obj: Any) -> Any:
+    """How ``pickler`` (one of torch's) saves a function that its name no longer reaches (e.g. the original
+    ``UNetModel.forward`` that A1111's ``sd_unet`` keeps in a closure after replacing it on the class): by
+    its code, module and closure, as torch saves nested functions (loaded, a new function of the same
+    code); torch's own way otherwise (for such a function: not at all, or as a missing value)."""
+    if inspect.isfunction(obj) and "<locals>" not in obj.__qualname__ and not _importable_as_itself(obj):
+        return type(pickler)._unpickle_nested_function, (obj.__code__, obj.__module__, obj.__qualname__,
+                                                          obj.__defaults__, obj.__closure__)
+    return NotImplemented
+
+
 class _ByCodePickler(AOTCompilePickler):
-    """torch's capture pickler, which also saves by its code a function that its name no longer reaches
-    (e.g. the original ``UNetModel.forward`` that A1111's ``sd_unet`` keeps in a closure after replacing
-    it on the class): loaded, it is a new function of the same code, module and closure."""
+    """torch's pickler of a capture, with :func:`_by_code`."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if inspect.isfunction(obj) and "<locals>" not in obj.__qualname__ and not _importable_as_itself(obj):
-            return type(self)._unpickle_nested_function, (obj.__code__, obj.__module__, obj.__qualname__,
-                                                           obj.__defaults__, obj.__closure__)
-        return super().reducer_override(obj)
+        found = _by_code(self, obj)
+        return super().reducer_override(obj) if found is NotImplemented else found
+
+
+class _ByCodeGuardsPickler(GuardsStatePickler):
+    """torch's pickler of a capture's guards, with :func:`_by_code`."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        found = _by_code(self, obj)
+        return super().reducer_override(obj) if found is NotImplemented else found
+
+
+@contextlib.contextmanager
+def _pickling_by_code() -> Iterator[None]:
+    """Within the block, torch pickles captures and their guards with :func:`_by_code` (its code looks the
+    pickler classes up by name when it pickles)."""
+    from torch._dynamo import aot_compile, guards
+
+    with _SAVE_LOCK:
+        plain = aot_compile.AOTCompilePickler, guards.GuardsStatePickler
+        aot_compile.AOTCompilePickler, guards.GuardsStatePickler = _ByCodePickler, _ByCodeGuardsPickler
+        try:
+            yield
+        finally:
+            aot_compile.AOTCompilePickler, guards.GuardsStatePickler = plain
 
 
 def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any,
@@ -271,7 +304,8 @@ def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         return kept
 
     compiled = torch.compile(function, backend=backend, fullgraph=True, options={"guard_filter_fn": keep})
-    aot = compiled.aot_compile((tuple(stand_in(a) for a in args), {k: stand_in(v) for k, v in kwargs.items()}))
+    with _pickling_by_code():  # (the guards are pickled as they are built)
+        aot = compiled.aot_compile((tuple(stand_in(a) for a in args), {k: stand_in(v) for k, v in kwargs.items()}))
     return Capture(aot, identities, getattr(function, "__func__", function).__module__)
 
 
@@ -295,8 +329,11 @@ def load_capture(path: Any, loader: _Loader) -> Capture:
     module = state.get("module")
     if sys.modules.get(module) is None:
         raise NotPortableError(f"{path} is a capture of a function of {module}, which is not imported")
+    import importlib
+
+    f_globals = {**_globals_of(module), **{name: importlib.import_module(m) for name, m in state["modules"].items()}}
     with loading(loader):
-        function = AOTCompiledFunction.deserialize(state["function"], f_globals=_globals_of(module))
+        function = AOTCompiledFunction.deserialize(state["function"], f_globals=f_globals)
     for source in function.source_info().inlined_sources:
         traced = sys.modules.get(source.module)
         if traced is None or _source_checksum(traced, source.firstlineno, source.lastlineno) != source.checksum:
