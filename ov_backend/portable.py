@@ -204,8 +204,10 @@ class Capture:
             body = aot_compile.AOTCompiledFunction.serialize(self.function).serialized_data
         # globals dynamo installed for the bytecode (e.g. "___module_collections_<id>_c0"): modules, by name
         installed = _globals_of(self.module)
-        modules = {}
-        for name in self.function._artifacts.runtime_env.external_refs:
+        env, modules = self.function._artifacts.runtime_env, {}
+        for name in env.external_refs - set(env.import_sources) - set(env.used_globals):
+            if name == self.function._artifacts.backend_id:  # (the compiled graph: saved with the capture)
+                continue
             value = installed.get(name)
             if not inspect.ismodule(value):
                 raise NotPortableError(f"the capture's code reads the global {name}, which is not a module")
