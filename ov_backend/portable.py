@@ -202,16 +202,13 @@ class Capture:
 
         with _pickling_by_code():
             body = aot_compile.AOTCompiledFunction.serialize(self.function).serialized_data
-        # globals dynamo installed for the bytecode (e.g. "___module_collections_<id>_c0"): modules, by name
+        # globals the bytecode reads beyond torch's own: the module's own names are found there on load
+        # (or the load fails and the caller captures again); modules dynamo installed under names of its
+        # own (e.g. "___module_collections_<id>_c0") are saved by module name
         installed = _globals_of(self.module)
-        env, modules = self.function._artifacts.runtime_env, {}
-        for name in env.external_refs - set(env.import_sources) - set(env.used_globals):
-            if name == self.function._artifacts.backend_id:  # (the compiled graph: saved with the capture)
-                continue
-            value = installed.get(name)
-            if not inspect.ismodule(value):
-                raise NotPortableError(f"the capture's code reads the global {name}, which is not a module")
-            modules[name] = value.__name__
+        env = self.function._artifacts.runtime_env
+        modules = {name: installed[name].__name__ for name in env.external_refs
+                   if name not in env.import_sources and inspect.ismodule(installed.get(name))}
         aot_compile.atomic_write_binary(str(path), pickle.dumps({
             "format": CAPTURE_FORMAT, "torch": torch.__version__, "identities": self.identities,
             "module": self.module, "modules": modules, "function": body}))
