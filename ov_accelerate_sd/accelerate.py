@@ -30,6 +30,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Tensor rank -> the dimensions that change between calls of a part (batch; latent and image height
+#: and width; prompt length in 77-token chunks), marked dynamic when a part is captured ahead of time:
+#: one capture, and one converted model, serves every size.
+VARYING_DIMS: dict[int, tuple[int, ...]] = {1: (0,), 2: (0,), 3: (0, 1), 4: (0, 2, 3)}
+
+
+def _through(captures: Any, compiled: Any) -> Any:
+    """A part's forward: its saved capture (loaded from the cache, or captured and saved now) runs the call,
+    or ``compiled`` (torch.compile's function) when it cannot (see ``ov_backend.saved_captures``)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return captures.call(args, kwargs, compiled)
+
+    return forward
+
 
 class Accelerator:
     """Compiles the chosen parts of ``components`` with one ``OVBackend``.
@@ -64,6 +79,7 @@ class Accelerator:
             return self
         from ov_backend.graph_runs import EagerCalls, GraphRunCounter
         from ov_backend.precision import DEFAULT_PRECISION, QUANTIZED_PRECISIONS
+        from ov_backend.saved_captures import SavedCaptures
 
         quantized = self.settings.precision in QUANTIZED_PRECISIONS
         if self.backend is None:
@@ -81,8 +97,10 @@ class Accelerator:
         for part, module in self.targets():
             original = module.__dict__.get("forward")
             code = getattr(type(module).forward, "__code__", None)
-            compiled = torch.compile(module.forward, backend=unet_counter if part == "unet" else counter)
-            module.forward = self._calls.watch(part, compiled, counter, code)
+            part_counter = unet_counter if part == "unet" else counter
+            compiled = torch.compile(module.forward, backend=part_counter)
+            captures = SavedCaptures.of(module.forward, "forward", part_counter, part_counter.backend, VARYING_DIMS)
+            module.forward = self._calls.watch(part, _through(captures, compiled), counter, code)
             self._originals.append((module, original))
             logger.info("%s (%s) routed through ov_backend on %s", part, type(module).__name__,
                         self.settings.device)

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .backend_bridge import backend_module
-from .captures import RouteCaptures
 from .finite_guard import F32Switch, all_finite
 from .settings import PART_LABELS
 
 if TYPE_CHECKING:
     from ov_backend.graph_runs import GraphRunCounter
+    from ov_backend.saved_captures import SavedCaptures
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class CompiledRoute:
     """The ``GraphCollector`` that ``compiled`` was made with (releases its compiled models), or None."""
     method: str = "forward"
     """The name of the module's method the route replaces."""
-    captures: RouteCaptures | None = None
+    captures: SavedCaptures | None = None
     """dynamo's captures of the method saved in the disk cache (None: torch.compile captures every process)."""
 
     def release(self) -> int:
@@ -113,11 +113,7 @@ def compile_route(
     so that :meth:`CompiledRoute.release` can release their compiled models); ``method`` is the name the
     routed module's method is replaced under."""
     graphs = backend_module("graph_runs").GraphCollector(counter)
-    backend = counter.backend
-    caching = backend.settings.model_caching
-    captures = RouteCaptures(source, method, graphs, backend.settings.cache_dir if caching else None, varying_dims,
-                             getattr(backend, "versions", None) or {"torch": torch.__version__},
-                             getattr(getattr(backend, "stats_counter", None), "add", lambda **amounts: None))
+    captures = backend_module("saved_captures").SavedCaptures.of(source, method, graphs, counter.backend, varying_dims)
     return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=torch.compile(source, backend=graphs),
                          counter=counter, varying_dims=varying_dims, code=code, source=source, graphs=graphs,
                          captures=captures, method=method)

@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from ov_accelerate_sd.cli import build_parser, main, parse_size
 from ov_accelerate_sd.generate_command import RunTimes
@@ -126,8 +128,19 @@ def test_demo_through_openvino_then_cache_commands(tmp_path: Path, capsys) -> No
     assert "first batch" in summary and "OpenVINO compile" in summary and " s/it" in summary
     assert "per image" not in summary  # one batch only: nothing after the warm-up to measure it on
     assert "OpenVINO calls" in summary
+    assert "3 captured and saved for the next run" in summary, summary  # UNet, VAE decoder, text encoder
     info = parse_infotext(read_png_infotext(out / "00000-3.png"))
     assert info["OpenVINO device"] == "CPU" and info["OpenVINO parts"] == "unet+vae+text_encoder"
+
+    # a second run loads dynamo's captures from the cache instead of tracing again, and makes the same image
+    proc = _run("generate", "--demo", "--prompt", "a cat", *SMALL, "--seed", "3", "--precision", "f32",
+                "--cache-dir", str(cache), "--out", str(tmp_path / "again"))
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    summary = stdout.splitlines()[-1]
+    assert "3 loaded from the cache" in summary and "captured" not in summary, summary
+    first, again = (np.asarray(Image.open(folder / "00000-3.png")) for folder in (out, tmp_path / "again"))
+    assert np.array_equal(first, again)
 
     assert main(["cache", "list", "--cache-dir", str(cache)]) == 0
     listed = capsys.readouterr().out
@@ -314,9 +327,14 @@ def test_run_times_keep_the_first_batch_and_the_dropped_batch_apart() -> None:
     assert times.first_batch_seconds == pytest.approx(8.0)
     assert times.seconds_per_step == pytest.approx(0.5)  # 7 intervals, none with a first call or prompt encoding
     assert times.seconds_per_image == pytest.approx(0.75)
-    text = times.describe(compile_seconds=4.0)
-    assert text == ("first batch 8.0s (first calls: dynamo capture, OpenVINO compile 4.0s), "
+    text = times.describe({"compile_seconds": 4.0})
+    assert text == ("first batch 8.0s (first calls: OpenVINO compile 4.0s), "
                     "then 0.50 s/it, 0.75s per image after the first batch")
+    text = times.describe({"compile_seconds": 4.0, "capture_seconds": 9.1, "captures_made": 3, "captures_saved": 3})
+    assert text.startswith("first batch 8.0s (first calls: graph capture 9.1s, 3 captured and saved for the next "
+                           "run; OpenVINO compile 4.0s), then")
+    text = times.describe({"compile_seconds": 1.0, "capture_seconds": 0.9, "captures_loaded": 2})
+    assert text.startswith("first batch 8.0s (first calls: graph capture 0.9s, 2 loaded from the cache; OpenVINO")
 
 
 def test_run_times_with_one_batch_give_no_steady_per_image_time() -> None:
@@ -341,10 +359,19 @@ def test_cache_list_gives_sizes_in_binary_units(tmp_path: Path, capsys) -> None:
     assert lines[-1] == f"1 entries, 1.5 KiB in {tmp_path / 'cache'}"
 
 
-def test_generate_reports_calls_dynamo_ran_in_pytorch(tmp_path: Path, sd1_checkpoint: Path, capsys) -> None:
-    """With dynamo's recompile limit at 1, the UNet's second prompt length (a 154-token context) runs
-    uncompiled: the run says so, as the WebUI's status does."""
+def test_generate_reports_calls_dynamo_ran_in_pytorch(tmp_path: Path, sd1_checkpoint: Path, capsys,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part that cannot be captured ahead of time (e.g. a graph break) runs through torch.compile, whose
+    recompile limit applies: at 1, the UNet's second prompt length (a 154-token context) runs uncompiled,
+    and the run says so, as the WebUI's status does."""
     import torch
+
+    from ov_backend import portable
+
+    def cannot(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a graph break (stand-in)")
+
+    monkeypatch.setattr(portable, "capture", cannot)
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\n" + "word " * 90 + "\n", encoding="utf-8")

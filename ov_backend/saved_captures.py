@@ -1,9 +1,10 @@
-"""dynamo's capture of a routed module, saved in the disk cache so that the next WebUI process skips it.
+"""dynamo's capture of a module's method, saved in the disk cache so that the next process skips it.
 
-On a warm restart the OpenVINO models come from the disk cache in seconds, but dynamo still traces the
+On a warm start the OpenVINO models come from the disk cache in seconds, but dynamo still traces the
 Python code again to find the graphs: a full SD 1.5 UNet took about 14 s on two cores, more than the
-compiles. With torch's ahead-of-time capture (``ov_backend.portable``), a route captures its module's
-method once, saves the capture beside the models, and a later process loads it (about 1 s) instead.
+compiles. With torch's ahead-of-time capture (:mod:`ov_backend.portable`), :class:`SavedCaptures`
+captures a module's method once, saves the capture beside the models, and a later process loads it
+(about 1 s) instead. The WebUI adapter and the command line use it for every part they route.
 
 What keeps a saved capture honest:
 - its key names what was traced: the module's class, the method's code and source, the extension's and
@@ -12,7 +13,7 @@ What keeps a saved capture honest:
 - on load, the source of every function the capture traced must be unchanged, and on each call dynamo's
   saved guards must hold, and so must the functions and classes its identity guards named (compared by
   name and code location, as identities differ between processes).
-Anything else, or any failure to capture whole (a graph break), load or save, runs the route as before
+Anything else, or any failure to capture whole (a graph break), load or save, runs the call as before
 (``torch.compile`` capturing in this process), with the reason logged.
 
 A capture file is a pickle, like torch's own compile caches: the cache folder must be as trusted as the
@@ -33,7 +34,8 @@ from typing import Any
 
 import torch
 
-from .backend_bridge import backend_module
+from ov_backend import portable
+from ov_backend.cache import ModelCache
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +66,12 @@ def call_form(args: tuple[Any, ...], kwargs: Mapping[str, Any], varying: Mapping
             torch.is_grad_enabled())
 
 
-class RouteCaptures:
-    """The saved captures of one routed module method, per form of call.
+class SavedCaptures:
+    """The saved captures of one module method, per form of call.
 
     Args:
-        source: the method as routed (a bound method of the module).
-        attribute: the name the module's method is replaced under while routed.
+        source: the method (a bound method of the module), as it was before being replaced.
+        attribute: the name the module's method is replaced under (in the module's own ``__dict__``).
         backend: what the captured graphs run through (a ``GraphCollector``, so releases still reach them).
         cache_dir: the backend's cache folder, or None when it does not cache (then nothing is saved).
         varying: tensor rank -> the dimensions marked dynamic.
@@ -86,13 +88,13 @@ class RouteCaptures:
         self.record = record
         self.backend = backend
         self.varying = varying
-        self.cache = backend_module("cache").ModelCache(cache_dir) if cache_dir is not None else None
+        self.cache = ModelCache(cache_dir) if cache_dir is not None else None
         function = getattr(source, "__func__", None)
         self.module = getattr(source, "__self__", None)
         #: why this route runs without captures (None: it uses them)
         self.off: str | None = None
         if function is None or self.module is None:
-            self.off = "the routed method is not a plain method of the module"
+            self.off = "the method is not a plain method of the module"
         self._base = {
             "class": f"{type(self.module).__module__}.{type(self.module).__qualname__}",
             "method": f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}",
@@ -101,6 +103,17 @@ class RouteCaptures:
         self._captures: dict[str, Any] = {}
         self._captured: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, source: Callable[..., Any], attribute: str, graphs: Any, backend: Any,
+           varying: Mapping[int, tuple[int, ...]]) -> SavedCaptures:
+        """The saved captures of ``source`` for ``backend`` (an ``OVBackend``): in its cache folder when it
+        caches, counted in its stats; ``graphs`` is what the captured graphs run through (``backend``
+        itself, or a wrapper of it such as a ``GraphRunCounter``)."""
+        settings = backend.settings
+        return cls(source, attribute, graphs, settings.cache_dir if settings.model_caching else None, varying,
+                   getattr(backend, "versions", None) or {"torch": torch.__version__},
+                   getattr(getattr(backend, "stats_counter", None), "add", lambda **amounts: None))
 
     def key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         payload = json.dumps({**self._base, "form": call_form(args, kwargs, self.varying)}, sort_keys=True,
@@ -138,7 +151,7 @@ class RouteCaptures:
             return None
         start = time.perf_counter()
         try:
-            loaded = backend_module("portable").load_capture(path, self.backend.load_graph)
+            loaded = portable.load_capture(path, self.backend.load_graph)
         except Exception as err:  # another torch, changed sources, a damaged file: capture again
             logger.info("not using the saved capture %s: %s", path.name, err)
             return None
@@ -152,12 +165,11 @@ class RouteCaptures:
     def _capture(self, key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
         self._captured[key] = self._captured.get(key, 0) + 1
         start = time.perf_counter()
-        # while routed, the module's own __dict__ holds the route's forward (this extension's objects):
-        # torch saves a module's plain attributes with the guards, so it is set aside while capturing
+        # the module's own __dict__ holds the replacement (its caller's objects, e.g. a backend): torch saves
+        # a module's plain attributes with the guards, so it is set aside while capturing
         routed = vars(self.module).pop(self.attribute, None)
         try:
-            made = backend_module("portable").capture(self.source, args, dict(kwargs), self.backend,
-                                                      dict(self.varying))
+            made = portable.capture(self.source, args, dict(kwargs), self.backend, dict(self.varying))
         except Exception as err:  # a graph break, a guard torch cannot save: torch.compile as before
             self.off = f"it cannot be captured whole ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
             logger.info("%s runs through torch.compile without a saved capture: %s", self._base["method"], self.off)
