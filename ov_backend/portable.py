@@ -19,12 +19,15 @@ import inspect
 import pickle
 import threading
 from collections.abc import Callable, Iterator
+import logging
 from typing import Any
 
 import torch
 from torch._dynamo.aot_compile import AOTCompilePickler
 from torch._dynamo.aot_compile_types import SerializableCallable
 from torch._dynamo.guards import GuardsStatePickler
+
+logger = logging.getLogger(__name__)
 
 #: Version of what :meth:`PortableGraph.serialize_compile_artifacts` writes.
 PORTABLE_FORMAT = 1
@@ -134,8 +137,10 @@ CAPTURE_FORMAT = 1
 
 
 def describe(value: Any) -> str:
-    """What an identity guard's object is, comparable across processes: a function by its module,
-    qualified name and code location; a class by module and name; anything else by its type."""
+    """What a guard's object is, comparable across processes: a constant by its value, a function by its
+    module, qualified name and code location, a class by module and name, anything else by its type."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return f"= {value!r}"
     code = getattr(value, "__code__", None)
     if code is not None:
         return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}@{code.co_filename}:" \
@@ -169,8 +174,9 @@ class _ModuleGlobals(dict):
 class Capture:
     """One function captured ahead of time: dynamo's guards and bytecode and the compiled graph.
 
-    ``matches(*args, **kwargs)`` says whether a call may run it (the saved guards, and the objects of the
-    identity guards described as at the capture); calling it runs the call.
+    ``matches(*args, **kwargs)`` says whether a call may run it (the saved guards, and the objects the
+    identity guards and the guards on globals name described as at the capture, read live); calling it
+    runs the call.
     """
 
     def __init__(self, function: Any, identities: dict[str, tuple[str, str]], module: str) -> None:
@@ -189,7 +195,8 @@ class Capture:
             for name, (kind, described) in self.identities.items():
                 if kind not in _BY_NAME and describe(eval(name, {"__builtins__": __builtins__}, names)) != described:  # noqa: S307
                     return False
-        except Exception:  # a name that no longer resolves, arguments of another form: not this capture
+        except Exception as err:  # a name that no longer resolves, arguments of another form: not this capture
+            logger.debug("a capture of %s does not match this call: %s", self.module, err)
             return False
         return True
 
@@ -297,7 +304,10 @@ def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         kept = []
         for entry in entries:
             identity = entry.guard_type in IDENTITY_GUARDS or any(d in IDENTITY_GUARDS for d in entry.derived_guard_types)
-            if identity:
+            # torch checks a loaded capture's guards on globals against a copy of the globals made when it
+            # was loaded or captured: they are checked on the live globals here too (a module-level name
+            # rebound later, e.g. A1111's sd_unet.current_unet, would otherwise go unnoticed)
+            if identity or (entry.is_global and entry.guard_type != "DUPLICATE_INPUT"):
                 identities[entry.name] = (entry.guard_type, describe(entry.value) if entry.has_value else "")
             kept.append(not identity)
         return kept

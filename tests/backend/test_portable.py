@@ -17,6 +17,8 @@ from ov_backend import OVBackend, portable
 NET = textwrap.dedent('''
     import torch
 
+    SCALE = 0.5
+
 
     def act(x):
         return torch.nn.functional.silu(x)
@@ -31,7 +33,7 @@ NET = textwrap.dedent('''
 
         def forward(self, x):
             h = act(self.conv(x)).permute(0, 2, 3, 1)
-            return self.lin(h).permute(0, 3, 1, 2) * 0.5
+            return self.lin(h).permute(0, 3, 1, 2) * SCALE
 ''')
 
 SCRIPT = textwrap.dedent('''
@@ -95,7 +97,7 @@ def test_a_capture_is_refused_when_the_source_it_traced_changed(saved: tuple[Pat
     folder, _ = saved
     original = (folder / "tinynet.py").read_text()
     try:
-        (folder / "tinynet.py").write_text(original.replace("* 0.5", "* 0.25"))
+        (folder / "tinynet.py").write_text(original.replace("* SCALE", "* SCALE * 2"))
         result = run(folder, "load")
     finally:
         (folder / "tinynet.py").write_text(original)
@@ -116,3 +118,23 @@ def test_a_graph_backend_cannot_save_is_not_captured(tmp_path: Path) -> None:
     (tmp_path / "bad.capture").write_bytes(b"not a capture")
     with pytest.raises(Exception):  # noqa: B017  (whatever unpickling raises: the caller captures again)
         portable.load_capture(tmp_path / "bad.capture", backend.load_graph)
+
+
+def test_a_global_the_capture_read_is_checked_live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch checks guards on globals against a copy made at capture or load; a module-level name rebound
+    afterwards must stop the capture from matching."""
+    (tmp_path / "tinynet.py").write_text(NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tinynet
+
+    net = tinynet.Net().eval()
+    backend = OVBackend({"precision": "f32"})
+    x = torch.randn(2, 4, 16, 16)
+    with torch.no_grad():
+        cap = portable.capture(net.forward, (x,), {}, backend, {4: (0, 2, 3)})
+        assert cap.matches(net, x)
+        monkeypatch.setattr(tinynet, "SCALE", 0.25)
+        assert not cap.matches(net, x)
+        monkeypatch.setattr(tinynet, "SCALE", 0.5)
+        assert cap.matches(net, x)
+        torch.testing.assert_close(cap(net, x), net(x), atol=1e-4, rtol=1e-4)
