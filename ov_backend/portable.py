@@ -27,6 +27,8 @@ from torch._dynamo.aot_compile import AOTCompilePickler
 from torch._dynamo.aot_compile_types import SerializableCallable
 from torch._dynamo.guards import GuardsStatePickler
 
+from ov_backend.files import atomic_path
+
 logger = logging.getLogger(__name__)
 
 #: Version of what :meth:`PortableGraph.serialize_compile_artifacts` writes.
@@ -185,6 +187,9 @@ class Capture:
         #: the name of the Python module whose globals the captured function reads
         self.module = module
         self.function.disable_guard_check()  # (matches() checks them once per call)
+        #: the names to read on each call, compiled once
+        self._live = [(compile(name, "<guard>", "eval"), described)
+                      for name, (kind, described) in identities.items() if kind not in _BY_NAME]
 
     def matches(self, *args: Any, **kwargs: Any) -> bool:
         try:
@@ -192,8 +197,8 @@ class Capture:
             if not self.function._artifacts.guard_manager.check(f_locals):
                 return False
             names = {**f_locals, "G": _ModuleGlobals(_globals_of(self.module))}
-            for name, (kind, described) in self.identities.items():
-                if kind not in _BY_NAME and describe(eval(name, {"__builtins__": __builtins__}, names)) != described:  # noqa: S307
+            for code, described in self._live:
+                if describe(eval(code, {"__builtins__": __builtins__}, names)) != described:  # noqa: S307
                     return False
         except Exception as err:  # a name that no longer resolves, arguments of another form: not this capture
             logger.debug("a capture of %s does not match this call: %s", self.module, err)
@@ -216,9 +221,10 @@ class Capture:
         env = self.function._artifacts.runtime_env
         modules = {name: installed[name].__name__ for name in env.external_refs
                    if name not in env.import_sources and inspect.ismodule(installed.get(name))}
-        aot_compile.atomic_write_binary(str(path), pickle.dumps({
-            "format": CAPTURE_FORMAT, "torch": torch.__version__, "identities": self.identities,
-            "module": self.module, "modules": modules, "function": body}))
+        data = pickle.dumps({"format": CAPTURE_FORMAT, "torch": torch.__version__, "identities": self.identities,
+                             "module": self.module, "modules": modules, "function": body})
+        with atomic_path(path) as tmp:  # (a failed write leaves nothing behind)
+            tmp.write_bytes(data)
 
 
 _SAVE_LOCK = threading.RLock()

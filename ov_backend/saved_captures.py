@@ -171,7 +171,8 @@ class SavedCaptures:
         try:
             made = portable.capture(self.source, args, dict(kwargs), self.backend, dict(self.varying))
         except Exception as err:  # a graph break, a guard torch cannot save: torch.compile as before
-            self.off = f"it cannot be captured whole ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+            first_line = (str(err).splitlines() or [""])[0][:200]
+            self.off = f"it cannot be captured whole ({type(err).__name__}: {first_line})"
             logger.info("%s runs through torch.compile without a saved capture: %s", self._base["method"], self.off)
             return None
         finally:
@@ -187,6 +188,6 @@ class SavedCaptures:
                 made.save(path)
                 self.record(captures_saved=1)
             except Exception as err:  # a full disk, an object torch cannot save: used in this process only
-                logger.warning("could not save the capture of %s to %s (%s); the next WebUI start traces it again",
+                logger.warning("could not save the capture of %s to %s (%s); the next process traces it again",
                                self._base["method"], path, err)
         return made if made.matches(self.module, *args, **kwargs) else None
