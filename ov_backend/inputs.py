@@ -41,9 +41,13 @@ class InputKind:
 
 
 def classify_inputs(gm: torch.fx.GraphModule) -> list[InputKind]:
-    """Tell weights, derived sizes and user inputs apart from dynamo's graph-argument sources."""
+    """Tell weights, derived sizes and user inputs apart from dynamo's graph-argument sources (or, for a
+    graph captured ahead of time, which carries no sources, from its placeholders: see
+    :func:`_classify_without_sources`)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sources = [getattr(n.meta.get("grapharg"), "source", None) for n in placeholders]
+    if placeholders and all(s is None for s in sources):
+        return _classify_without_sources(placeholders)
     by_source = {s.name: i for i, s in enumerate(sources) if s is not None}
     kinds: list[InputKind] = []
     for source in sources:
@@ -58,6 +62,32 @@ def classify_inputs(gm: torch.fx.GraphModule) -> list[InputKind]:
                                    str(getattr(prop, "name", "SIZE")).lower()))
             continue
         kinds.append(InputKind("user"))
+    return kinds
+
+
+def _classify_without_sources(placeholders: Sequence[torch.fx.Node]) -> list[InputKind]:
+    """The kinds of a graph's inputs from its placeholders alone (torch's ahead-of-time capture keeps no
+    graph-argument sources): a weight's placeholder is named after its source
+    (``l_self_modules_conv_parameters_weight_``), and a symbolic size that is a dimension of a user
+    tensor input is derived from it."""
+    values = [n.meta.get("example_value") for n in placeholders]
+    is_weight = [isinstance(v, torch.Tensor) and weights.is_weight_placeholder(n.name)
+                 for n, v in zip(placeholders, values)]
+    dims: dict[Any, tuple[int, int]] = {}
+    for index, value in enumerate(values):
+        if isinstance(value, torch.Tensor) and not is_weight[index]:
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt):
+                    dims.setdefault(size.node.expr, (index, dim))
+    kinds: list[InputKind] = []
+    for node, value, weight in zip(placeholders, values, is_weight):
+        if weight:
+            kinds.append(InputKind("weight", name=node.name))
+        elif isinstance(value, torch.SymInt) and value.node.expr in dims:
+            base, dim = dims[value.node.expr]
+            kinds.append(InputKind("derived", base, dim, "size"))
+        else:
+            kinds.append(InputKind("user"))
     return kinds
 
 

@@ -34,6 +34,12 @@ def is_weight_source(source_name: str) -> bool:
     return any(marker in source_name for marker in _WEIGHT_SOURCE_MARKERS)
 
 
+def is_weight_placeholder(node_name: str) -> bool:
+    """Whether a graph placeholder dynamo named after its source ("l_self_modules_c_parameters_weight_")
+    is a weight."""
+    return any(f"_{marker.strip('_')}_" in node_name for marker in _WEIGHT_SOURCE_MARKERS)
+
+
 _State = tuple["weakref.ref[torch.Tensor]", int, int]
 
 

@@ -138,3 +138,24 @@ def test_a_global_the_capture_read_is_checked_live(tmp_path: Path, monkeypatch: 
         monkeypatch.setattr(tinynet, "SCALE", 0.5)
         assert cap.matches(net, x)
         torch.testing.assert_close(cap(net, x), net(x), atol=1e-4, rtol=1e-4)
+
+
+def test_a_captured_graph_knows_its_weights_and_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph captured ahead of time carries no graph-argument sources: its weights are still told apart
+    (built into each model, fingerprinted) and its symbolic sizes derived from the input, so a second size
+    is a reshape of the one converted model, not a conversion."""
+    (tmp_path / "tinynet.py").write_text(NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tinynet
+
+    net = tinynet.Net().eval()
+    backend = OVBackend({"precision": "f32"})
+    with torch.no_grad():
+        cap = portable.capture(net.forward, (torch.randn(2, 4, 16, 16),), {}, backend, {4: (0, 2, 3)})
+        kinds = [k.kind for k in cap.function._artifacts.compiled_fn.facts.kinds]
+        assert kinds.count("weight") == 4 and kinds.count("derived") == 3 and kinds.count("user") == 1, kinds
+        for h, w in ((16, 16), (8, 24)):
+            x = torch.randn(2, 4, h, w)
+            torch.testing.assert_close(cap(net, x), net(x), atol=1e-4, rtol=1e-4)
+    first, second = backend.reports
+    assert first.route == "dynamic" and "conversion reused" in second.summary(), second.summary()
