@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import logging
 import pickle
 import threading
 from collections.abc import Callable, Iterator
-import logging
 from typing import Any
 
 import torch
@@ -309,7 +309,8 @@ def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     def keep(entries: Any) -> list[bool]:
         kept = []
         for entry in entries:
-            identity = entry.guard_type in IDENTITY_GUARDS or any(d in IDENTITY_GUARDS for d in entry.derived_guard_types)
+            identity = entry.guard_type in IDENTITY_GUARDS or any(
+                d in IDENTITY_GUARDS for d in entry.derived_guard_types)
             # torch checks a loaded capture's guards on globals against a copy of the globals made when it
             # was loaded or captured: they are checked on the live globals here too (a module-level name
             # rebound later, e.g. A1111's sd_unet.current_unet, would otherwise go unnoticed)

@@ -77,7 +77,8 @@ class SavedCaptures:
         varying: tensor rank -> the dimensions marked dynamic.
         versions: what else the key must name (the extension's and torch's versions).
         record: called with the time a capture or load took (``capture_seconds``) and what it was
-            (``captures_made=1``, ``captures_saved=1`` or ``captures_loaded=1``), e.g. a backend's ``stats_counter.add``.
+            (``captures_made=1``, ``captures_saved=1`` or ``captures_loaded=1``), e.g. a backend's
+            ``stats_counter.add``.
     """
 
     def __init__(self, source: Callable[..., Any], attribute: str, backend: Any, cache_dir: Path | None,
