@@ -39,9 +39,6 @@ from ov_backend.cache import ModelCache
 
 logger = logging.getLogger(__name__)
 
-#: How often one form of call is captured again when a capture's guards stop holding (e.g. a global
-#: the traced code reads changed), before the route is left to torch.compile for good.
-MAX_RECAPTURES = 2
 
 
 def _source_hash(function: Any) -> str:
@@ -101,8 +98,8 @@ class SavedCaptures:
             "method": f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}",
             "source": _source_hash(function), **versions,
         }
-        self._captures: dict[str, Any] = {}
-        self._captured: dict[str, int] = {}
+        self._captures: dict[str, list[Any]] = {}
+        self._looked_up: set[str] = set()
         self._lock = threading.Lock()
 
     @classmethod
@@ -127,20 +124,28 @@ class SavedCaptures:
         return found(self.module, *args, **kwargs) if found is not None else fallback(*args, **kwargs)
 
     def find(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
-        """The capture that runs this call (loaded or made now), or None: then torch.compile runs it."""
+        """The capture that runs this call (loaded or made now), or None: then torch.compile runs it.
+
+        A form of call keeps every capture made for it in this process (e.g. one per value of a global the
+        code reads, such as A1111's CLIP skip), up to dynamo's recompile limit; the last one made is the one
+        saved."""
         if self.off is not None:
             return None
         key = self.key(args, kwargs)
         with self._lock:
-            found = self._captures.get(key)
-            if found is not None and found.matches(self.module, *args, **kwargs):
+            known = self._captures.setdefault(key, [])
+            found = next((c for c in known if c.matches(self.module, *args, **kwargs)), None)
+            if found is not None:
                 return found
-            if found is None and key not in self._captured:
-                found = self._load(key)
-                if found is not None and found.matches(self.module, *args, **kwargs):
-                    self._captures[key] = found
-                    return found
-            if self._captured.get(key, 0) > MAX_RECAPTURES:
+            if key not in self._looked_up:
+                self._looked_up.add(key)
+                loaded = self._load(key)
+                if loaded is not None:
+                    known.append(loaded)
+                    if loaded.matches(self.module, *args, **kwargs):
+                        return loaded
+            limit = getattr(torch._dynamo.config, "recompile_limit", None) or 8
+            if len(known) >= limit:
                 return None
             return self._capture(key, args, kwargs)
 
@@ -164,7 +169,6 @@ class SavedCaptures:
         return loaded
 
     def _capture(self, key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
-        self._captured[key] = self._captured.get(key, 0) + 1
         start = time.perf_counter()
         # the module's own __dict__ holds the replacement (its caller's objects, e.g. a backend): torch saves
         # a module's plain attributes with the guards, so it is set aside while capturing
@@ -181,7 +185,7 @@ class SavedCaptures:
                 setattr(self.module, self.attribute, routed)
             self.record(capture_seconds=time.perf_counter() - start)
         self.record(captures_made=1)
-        self._captures[key] = made
+        self._captures[key].append(made)
         if self.cache is not None:
             path = self.cache.capture_file(key)
             try:

@@ -159,3 +159,24 @@ def test_a_captured_graph_knows_its_weights_and_sizes(tmp_path: Path, monkeypatc
             torch.testing.assert_close(cap(net, x), net(x), atol=1e-4, rtol=1e-4)
     first, second = backend.reports
     assert first.route == "dynamic" and "conversion reused" in second.summary(), second.summary()
+
+
+def test_each_variant_of_a_call_keeps_its_capture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A global the code reads takes two values in turn (as A1111's CLIP skip does): each value is captured
+    once, and going back and forth captures nothing more."""
+    from ov_backend.saved_captures import SavedCaptures
+
+    (tmp_path / "tinynet.py").write_text(NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tinynet
+
+    net = tinynet.Net().eval()
+    backend = OVBackend({"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")})
+    captures = SavedCaptures.of(net.forward, "forward", backend, backend, {4: (0, 2, 3)})
+    x = torch.randn(2, 4, 16, 16)
+    with torch.no_grad():
+        for scale in (0.5, 0.25, 0.5, 0.25):
+            monkeypatch.setattr(tinynet, "SCALE", scale)
+            got = captures.call((x,), {}, lambda *a: pytest.fail("ran through torch.compile"))
+            torch.testing.assert_close(got, net(x), atol=1e-4, rtol=1e-4)
+    assert backend.stats()["captures_made"] == 2 and backend.stats()["captures_saved"] == 2
