@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .loader import Components
+from .parts import VARYING_DIMS
 from .settings import SDSettings
 
 if TYPE_CHECKING:
@@ -30,10 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Tensor rank -> the dimensions that change between calls of a part (batch; latent and image height
-#: and width; prompt length in 77-token chunks), marked dynamic when a part is captured ahead of time:
-#: one capture, and one converted model, serves every size.
-VARYING_DIMS: dict[int, tuple[int, ...]] = {1: (0,), 2: (0,), 3: (0, 1), 4: (0, 2, 3)}
 
 
 def _through(captures: Any, compiled: Any) -> Any:

@@ -15,6 +15,12 @@ logger = logging.getLogger(__name__)
 #: Part names, in the order they are shown and written.
 PARTS: tuple[str, ...] = ("unet", "vae", "text_encoder")
 
+#: Tensor rank -> the dimensions of a part's inputs that change between generations, marked dynamic so
+#: that one capture and one converted model serve every size: 1-D timesteps and 2-D token ids or SDXL's
+#: ``y`` (batch); 3-D UNet context (batch, prompt length in 77-token chunks); 4-D latents and images
+#: (batch, height, width). Channels and the 77 tokens of a chunk never change.
+VARYING_DIMS: dict[int, tuple[int, ...]] = {1: (0,), 2: (0,), 3: (0, 1), 4: (0, 2, 3)}
+
 
 def in_order(parts: object) -> tuple[str, ...]:
     """``parts`` (names, or one comma-separated string) without repeats, in :data:`PARTS` order.

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ov_accelerate_sd.parts import VARYING_DIMS
+
 from .backend_bridge import backend_module
 from .finite_guard import F32Switch, all_finite
 from .settings import PART_LABELS
@@ -35,10 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Tensor rank -> dimensions that vary between generations: 1-D timesteps and 2-D token ids or
-#: SDXL's ``y`` (batch); 3-D UNet context (batch, prompt length in 77-token chunks); 4-D latents and
-#: images (batch, height, width). Channels and the 77 tokens of a chunk never change.
-VARYING_DIMS: dict[int, tuple[int, ...]] = {1: (0,), 2: (0,), 3: (0, 1), 4: (0, 2, 3)}
 #: How long dynamo's giving up on a routed function lasts, as a WebUI user sees it.
 EAGER_UNTIL = "until another checkpoint is loaded or the WebUI restarts"
 
@@ -48,11 +46,10 @@ def mark_varying_dims(
 ) -> None:
     """Mark ``dims`` (rank -> dimensions; default :data:`VARYING_DIMS`) of the tensor arguments as dynamic
     for dynamo (sizes of 1 stay static)."""
+    mark = backend_module("portable").mark_varying
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            for dim in dims.get(value.dim(), ()):
-                if value.shape[dim] > 1:
-                    torch._dynamo.maybe_mark_dynamic(value, dim)
+            mark(value, dims)
 
 
 def input_signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:

@@ -19,7 +19,7 @@ import inspect
 import logging
 import pickle
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -282,6 +282,13 @@ def _pickling_by_code() -> Iterator[None]:
             aot_compile.AOTCompilePickler, guards.GuardsStatePickler = plain
 
 
+def mark_varying(tensor: torch.Tensor, dims: Mapping[int, tuple[int, ...]]) -> None:
+    """Mark ``dims`` (tensor rank -> dimensions) of ``tensor`` as dynamic for dynamo; sizes of 1 stay static."""
+    for dim in dims.get(tensor.dim(), ()):
+        if tensor.shape[dim] > 1:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any,
             dynamic: dict[int, tuple[int, ...]] | None = None) -> Capture:
     """Capture ``function`` (e.g. a module's bound ``forward``) for calls like ``function(*args, **kwargs)``
@@ -299,9 +306,7 @@ def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         if not isinstance(value, torch.Tensor):
             return value
         alias = value.detach().view_as(value) if not value.requires_grad else value.view_as(value)
-        for dim in (dynamic or {}).get(alias.dim(), ()):
-            if alias.shape[dim] > 1:
-                torch._dynamo.maybe_mark_dynamic(alias, dim)
+        mark_varying(alias, dynamic or {})
         return alias
 
     identities: dict[str, tuple[str, str]] = {}

@@ -98,8 +98,9 @@ class SavedCaptures:
             "method": f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}",
             "source": _source_hash(function), **versions,
         }
-        self._captures: dict[str, list[Any]] = {}
-        self._looked_up: set[str] = set()
+        #: call form -> the captures made or loaded for it, in this process
+        self._captures: dict[tuple, list[Any]] = {}
+        self._looked_up: set[tuple] = set()
         self._lock = threading.Lock()
 
     @classmethod
@@ -113,9 +114,9 @@ class SavedCaptures:
                    getattr(backend, "versions", None) or {"torch": torch.__version__},
                    getattr(getattr(backend, "stats_counter", None), "add", lambda **amounts: None))
 
-    def key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        payload = json.dumps({**self._base, "form": call_form(args, kwargs, self.varying)}, sort_keys=True,
-                             default=str)
+    def key(self, form: tuple) -> str:
+        """The file key of the captures of one form of call (see :func:`call_form`)."""
+        payload = json.dumps({**self._base, "form": form}, sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()[:40]
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], fallback: Callable[..., Any]) -> Any:
@@ -131,14 +132,15 @@ class SavedCaptures:
         saved."""
         if self.off is not None:
             return None
-        key = self.key(args, kwargs)
+        form = call_form(args, kwargs, self.varying)
         with self._lock:
-            known = self._captures.setdefault(key, [])
+            known = self._captures.setdefault(form, [])
             found = next((c for c in known if c.matches(self.module, *args, **kwargs)), None)
             if found is not None:
                 return found
-            if key not in self._looked_up:
-                self._looked_up.add(key)
+            key = self.key(form)
+            if form not in self._looked_up:
+                self._looked_up.add(form)
                 loaded = self._load(key)
                 if loaded is not None:
                     known.append(loaded)
@@ -147,7 +149,7 @@ class SavedCaptures:
             limit = getattr(torch._dynamo.config, "recompile_limit", None) or 8
             if len(known) >= limit:
                 return None
-            return self._capture(key, args, kwargs)
+            return self._capture(key, known, args, kwargs)
 
     def _load(self, key: str) -> Any | None:
         if self.cache is None:
@@ -168,7 +170,7 @@ class SavedCaptures:
                     seconds)
         return loaded
 
-    def _capture(self, key: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
+    def _capture(self, key: str, known: list[Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
         start = time.perf_counter()
         # the module's own __dict__ holds the replacement (its caller's objects, e.g. a backend): torch saves
         # a module's plain attributes with the guards, so it is set aside while capturing
@@ -185,7 +187,7 @@ class SavedCaptures:
                 setattr(self.module, self.attribute, routed)
             self.record(capture_seconds=time.perf_counter() - start)
         self.record(captures_made=1)
-        self._captures[key].append(made)
+        known.append(made)
         if self.cache is not None:
             path = self.cache.capture_file(key)
             try:
