@@ -21,10 +21,11 @@ from typing import Any
 
 logger = logging.getLogger("openvino_accelerate.install")
 
-#: Distribution -> exact version the extension needs (tested next to the WebUI's pins).
-REQUIREMENTS: dict[str, str] = {"openvino": "2026.4.1"}
+#: Distribution -> exact version the extension needs (tested next to the WebUI's pins). xxhash (no
+#: dependencies) fingerprints new weights, a checkpoint or a LoRA, ten times faster than sha256.
+REQUIREMENTS: dict[str, str] = {"openvino": "2026.4.1", "xxhash": "4.1.0"}
 #: Modules that must import after installing (checked in a fresh interpreter).
-IMPORT_CHECKS: tuple[str, ...] = ("openvino",)
+IMPORT_CHECKS: tuple[str, ...] = ("openvino", "xxhash")
 #: Installed the same way, but only the INT8 precision needs them: a failure is a warning, and INT8 then
 #: says what to install. nncf 3.4.0 adds packages to A1111 v1.10.1's venv but moves none of its pins.
 OPTIONAL_REQUIREMENTS: dict[str, str] = {"nncf": "3.4.0"}

@@ -23,7 +23,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+try:  # xxh3 reads weights about ten times faster than sha256 (a full SD 1.5 UNet: 0.15 s, not 1 s)
+    import xxhash
+except ImportError:  # pragma: no cover - install.py and pyproject install it; sha256 keeps things right
+    xxhash = None
+
 logger = logging.getLogger(__name__)
+
+#: The content hash of weights: its name is part of every fingerprint, so two processes that hash
+#: differently never share a cache key (one finds nothing the other stored, never a wrong entry).
+DIGEST = "xxh3_128" if xxhash is not None else "sha256"
 
 _WEIGHT_SOURCE_MARKERS = ("_parameters", "_buffers")
 _PARALLEL_HASH_BYTES = 64 << 20
@@ -85,8 +94,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _digest(t: torch.Tensor) -> bytes:
-    # sha256: CPUs with SHA extensions hash it about twice as fast as blake2b
-    h = hashlib.sha256()
+    # a content hash, not a signature: weights are not chosen to collide (the cache is as trusted as the
+    # code), and 128 bits make an accidental match as unlikely as sha256's
+    h = xxhash.xxh3_128() if xxhash is not None else hashlib.sha256()
     h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
     h.update(_tensor_bytes(t))
     return h.digest()
@@ -133,7 +143,7 @@ class DigestMemo:
 def digests(tensors: Sequence[torch.Tensor], memo: DigestMemo | None = None) -> list[bytes]:
     """Each tensor's content digest (value, dtype and shape).
 
-    Large sets are hashed on two threads (hashlib releases the GIL on big buffers). With a
+    Large sets are hashed on two threads (both hashes release the GIL on big buffers). With a
     ``memo``, tensors hashed before and unchanged since are not read again.
     """
     found: list[bytes | None] = [memo.lookup(t) if memo is not None else None for t in tensors]
@@ -153,7 +163,7 @@ def digests(tensors: Sequence[torch.Tensor], memo: DigestMemo | None = None) -> 
 
 def fingerprint(tensors: Sequence[torch.Tensor], memo: DigestMemo | None = None) -> str:
     """A content hash of ``tensors`` (values, dtypes, shapes and order); see :func:`digests`."""
-    h = hashlib.sha256()
+    h = hashlib.sha256(DIGEST.encode())
     for d in digests(tensors, memo):
         h.update(d)
     return h.hexdigest()[:40]

@@ -55,6 +55,26 @@ def test_each_weight_is_hashed_once_while_unchanged(monkeypatch):
     assert changed == weights.fingerprint(tensors)
 
 
+def test_weights_are_hashed_with_xxh3_and_each_hash_names_itself(monkeypatch):
+    assert weights.DIGEST == "xxh3_128"  # xxhash is a requirement (pyproject, install.py): 10x sha256's speed
+    big = torch.randn(20_000_000)  # 80 MB: over the two-thread threshold
+    tensors = [torch.randn(3, 4), big]
+    fast = weights.fingerprint(tensors)
+    big[-1] += 1.0  # the last element of the large tensor
+    assert weights.fingerprint(tensors) != fast
+    big[-1] -= 1.0
+    assert weights.fingerprint(tensors) == fast
+    same_bytes = [tensors[0].reshape(4, 3), big]  # same bytes, other shape
+    assert weights.fingerprint(same_bytes) != fast
+
+    monkeypatch.setattr(weights, "xxhash", None)  # no xxhash: sha256, under another name
+    monkeypatch.setattr(weights, "DIGEST", "sha256")
+    slow = weights.fingerprint(tensors)
+    assert slow != fast and len(slow) == len(fast)
+    big[0] = 7.0
+    assert weights.fingerprint(tensors) != slow
+
+
 def test_a_freed_tensor_is_forgotten_and_never_mistaken_for_its_successor():
     memo = weights.DigestMemo()
     t = torch.zeros(16)

@@ -46,7 +46,7 @@ def test_constraints_pin_everything_installed_except_what_is_installed(installer
 
 
 def test_nothing_to_do_when_installed(installer: ModuleType) -> None:
-    env = {**WEBUI_PINS, "openvino": "2026.4.1"}
+    env = {**WEBUI_PINS, "openvino": "2026.4.1", "xxhash": "4.1.0"}
     launch = FakeLaunch(env, env)
     assert installer.install(launch, versions=lambda: dict(env), check_imports=lambda m: []) == []
     assert launch.calls == []
@@ -54,16 +54,17 @@ def test_nothing_to_do_when_installed(installer: ModuleType) -> None:
 
 def test_installs_missing_with_constraints_and_accepts_clean_result(installer: ModuleType) -> None:
     env = dict(WEBUI_PINS)
-    launch = FakeLaunch(env, {**WEBUI_PINS, "openvino": "2026.4.1", "openvino-telemetry": "2025.2.0"})
+    launch = FakeLaunch(env, {**WEBUI_PINS, "openvino": "2026.4.1", "openvino-telemetry": "2025.2.0",
+                              "xxhash": "4.1.0"})
     problems = installer.install(launch, versions=lambda: dict(env), check_imports=lambda m: [])
     assert problems == []
-    assert launch.calls and launch.calls[0].startswith('install "openvino==2026.4.1" -c ')
+    assert launch.calls and launch.calls[0].startswith('install "openvino==2026.4.1" "xxhash==4.1.0" -c ')
     assert sorted(launch.constraints) == sorted(f"{n}=={v}" for n, v in WEBUI_PINS.items())
 
 
 def test_reports_a_moved_pin_and_a_failed_import(installer: ModuleType) -> None:
     env = dict(WEBUI_PINS)
-    launch = FakeLaunch(env, {**WEBUI_PINS, "numpy": "2.1.0", "openvino": "2026.4.1"})
+    launch = FakeLaunch(env, {**WEBUI_PINS, "numpy": "2.1.0", "openvino": "2026.4.1", "xxhash": "4.1.0"})
     problems = installer.install(
         launch, versions=lambda: dict(env), check_imports=lambda m: ["'import openvino' fails: ImportError: x"]
     )
@@ -82,8 +83,8 @@ def test_reports_pip_failure(installer: ModuleType) -> None:
 
 def test_installed_versions_reads_this_venv(installer: ModuleType) -> None:
     versions = installer.installed_versions()
-    assert versions["gradio"] == "3.41.2" and versions["openvino"] == "2026.4.1"
-    assert installer.import_problems(("openvino",)) == []
+    assert versions["gradio"] == "3.41.2" and versions["openvino"] == "2026.4.1" and versions["xxhash"] == "4.1.0"
+    assert installer.import_problems(installer.IMPORT_CHECKS) == []
     assert installer.import_problems(("no_such_module_xyz",))[0].startswith("'import no_such_module_xyz' fails")
 
 
@@ -97,7 +98,7 @@ def test_nncf_is_optional_a_failure_to_install_it_is_a_warning(installer, monkey
     monkeypatch.setattr(installer, "install", fake_install)
     monkeypatch.setitem(__import__("sys").modules, "launch", object())
     assert installer.main() == 0
-    assert calls == [{"openvino": "2026.4.1"}, {"nncf": "3.4.0"}]
+    assert calls == [{"openvino": "2026.4.1", "xxhash": "4.1.0"}, {"nncf": "3.4.0"}]
     assert "only the INT8 precision needs it" in caplog.text
 
     calls.clear()
