@@ -10,8 +10,12 @@ answers whether the model still stands for a given set of weights: the same tens
 same addresses, and every weight it copied unchanged.
 
 A constant that the frontend derived from a weight (a transposed or converted copy) would not follow
-the tensor. Such a copy has the weight's element count: every weight with the element count of a
-constant that is not shared is treated as copied, so it must be unchanged for the model to be reused.
+the tensor. Such a copy has the weight's element count and kind (float or integer): every weight
+with the element count and kind of a constant that is not shared is treated as copied, so it must be
+unchanged for the model to be reused. Integer constants (shapes, axes, permutations) are never
+copies of a float weight: an SD UNet's 4-element output bias, beside its many 4-element shape
+constants, is read from the tensor like any other weight, so a checkpoint loaded in place costs a
+compile, not a conversion.
 """
 
 from __future__ import annotations
@@ -34,19 +38,24 @@ def _numel(op: ov.Node) -> int:
     return n
 
 
-def _constants(model: ov.Model) -> list[tuple[int | None, int, int]]:
-    """(address or None, bytes, element count) of each constant's data."""
-    found: list[tuple[int | None, int, int]] = []
-    for op in model.get_ordered_ops():
-        if op.get_type_name() != "Constant":
-            continue
+class _Constant:
+    """One constant of a model: where its data is, and whether it could be derived from a weight."""
+
+    def __init__(self, op: ov.Node) -> None:
+        #: only a floating-point constant can be a copy of a float weight (shapes and axes are integers)
+        self.real = op.get_output_element_type(0).is_real()
         try:
             data = op.get_data()
         except (RuntimeError, TypeError, ValueError):  # a type numpy cannot view: no address to compare
-            found.append((None, 0, _numel(op)))
-            continue
-        found.append((data.ctypes.data, data.nbytes, int(data.size)))
-    return found
+            self.memory: tuple[int, int] | None = None
+            self.numel = _numel(op)
+        else:
+            self.memory = (data.ctypes.data, data.nbytes)
+            self.numel = int(data.size)
+
+
+def _constants(model: ov.Model) -> list[_Constant]:
+    return [_Constant(op) for op in model.get_ordered_ops() if op.get_type_name() == "Constant"]
 
 
 class LiveModel:
@@ -61,11 +70,12 @@ class LiveModel:
     def __init__(self, model: ov.Model, weight_values: Sequence[torch.Tensor], digests: Sequence[bytes]) -> None:
         own = {(t.data_ptr(), t.numel() * t.element_size()) for t in weight_values if t.is_contiguous()}
         constants = _constants(model)
-        memory = {(address, nbytes) for address, nbytes, _n in constants if address is not None}
-        # element counts of constants that are not a weight's own memory: possible copies of a weight
-        foreign_counts = {n for address, nbytes, n in constants if (address, nbytes) not in own}
+        memory = {c.memory for c in constants if c.memory is not None}
+        # (element count, float?) of constants that are not a weight's own memory: possible copies of a
+        # weight of that count and kind (a float copy of a float weight, an integer one of an integer buffer)
+        foreign = {(c.numel, c.real) for c in constants if c.memory not in own}
         shared = [t.is_contiguous() and (t.data_ptr(), t.numel() * t.element_size()) in memory
-                  and t.numel() not in foreign_counts for t in weight_values]
+                  and (t.numel(), t.is_floating_point()) not in foreign for t in weight_values]
         self.model = model
         self._tensors = [weakref.ref(t) for t in weight_values]
         self._addresses = [t.data_ptr() for t in weight_values]

@@ -68,6 +68,33 @@ def test_lora_like_change_is_compiled_from_the_converted_model(backend):
     assert backend.stats()["compiles"] == compiles
 
 
+class Head(Block):
+    """The block without its layer norm (whose weights OpenVINO's frontend copies over a 4-d input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).permute(0, 2, 3, 1)
+        return self.out(torch.nn.functional.silu(self.q(h))).permute(0, 3, 1, 2)
+
+
+def test_a_checkpoint_loaded_in_place_is_compiled_without_converting(backend):
+    """Every weight changes (A1111 loads another checkpoint into the same modules). The output bias
+    has 4 elements, like the 4-element permutations of the graph (as an SD UNet's beside its shape
+    constants): integers, never copies of it, so the converted model still reads every weight from the
+    tensors and a compile gives the new checkpoint's picture."""
+    model, other = Head().eval(), Head().eval()
+    torch.manual_seed(5)
+    for p in other.parameters():
+        torch.nn.init.normal_(p)
+    compiled = torch.compile(model, backend=backend)
+    call(compiled, model, 8, 8)
+    converted = backend.stats()["convert_seconds"]
+    with torch.no_grad():
+        model.load_state_dict(other.state_dict())  # copy_ into the same tensors
+    call(compiled, model, 8, 8)  # the picture of the new weights (compared with eager inside)
+    assert backend.stats()["convert_seconds"] == converted
+    assert "conversion reused for the new weights" in backend.reports[-1].summary()
+
+
 @pytest.mark.parametrize("change", ["norm", "conv bias", "replaced tensor"])
 def test_any_weight_change_gives_the_new_weights(backend, change):
     """Whatever the model shares with the tensors or copied, the result is that of the weights now."""
