@@ -189,7 +189,8 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
     """Export ``fn`` with the given dimensions of each input dynamic and convert it once.
 
     Args:
-        fn: takes exactly ``inputs``; weights reached through its closure become constants.
+        fn: takes exactly ``inputs``; weights reached through its closure become constants, weights
+            among the inputs become parameters (static shapes: give them no dynamic dimension).
         inputs: example tensors.
         dynamic_dims: for each input, the dimensions to keep dynamic.
 

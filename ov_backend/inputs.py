@@ -215,6 +215,16 @@ class GraphInputs:
                            else base.storage_offset())
         return full
 
+    def taking_weights(self) -> Callable[..., Any]:
+        """``fn(*user tensors, *weights)`` running the graph: the weights as arguments, so that a
+        conversion sees them as inputs (never as values it could copy or fold)."""
+        count = len(self.user_index)
+
+        def fn(*args: Any) -> Any:
+            return self.gm(*self.full_args(list(args[:count]), list(args[count:])))
+
+        return fn
+
     def check_loaded(self, weight_values: Sequence[torch.Tensor]) -> None:
         """Raise a ValueError naming the first weight on the meta device (it holds no data)."""
         for index, tensor in zip(self.weight_index, weight_values):

@@ -67,16 +67,24 @@ class LiveModel:
         digests: each weight's content digest at conversion (:func:`ov_backend.weights.digests`).
     """
 
-    def __init__(self, model: ov.Model, weight_values: Sequence[torch.Tensor], digests: Sequence[bytes]) -> None:
-        own = {(t.data_ptr(), t.numel() * t.element_size()) for t in weight_values if t.is_contiguous()}
-        constants = _constants(model)
-        memory = {c.memory for c in constants if c.memory is not None}
-        # (element count, float?) of constants that are not a weight's own memory: possible copies of a
-        # weight of that count and kind (a float copy of a float weight, an integer one of an integer buffer)
-        foreign = {(c.numel, c.real) for c in constants if c.memory not in own}
-        shared = [t.is_contiguous() and (t.data_ptr(), t.numel() * t.element_size()) in memory
-                  and (t.numel(), t.is_floating_point()) not in foreign for t in weight_values]
+    def __init__(self, model: ov.Model, weight_values: Sequence[torch.Tensor], digests: Sequence[bytes],
+                 weights_were_inputs: bool = False) -> None:
+        if weights_were_inputs:
+            # converted with the weights as inputs, then bound (:func:`attach_weights`): the model reads
+            # each weight it uses from the tensor, and holds no value derived from one
+            shared = [True] * len(weight_values)
+        else:
+            own = {(t.data_ptr(), t.numel() * t.element_size()) for t in weight_values if t.is_contiguous()}
+            constants = _constants(model)
+            memory = {c.memory for c in constants if c.memory is not None}
+            # (element count, float?) of constants that are not a weight's own memory: possible copies of a
+            # weight of that count and kind (a float copy of a float weight, an integer one of an integer buffer)
+            foreign = {(c.numel, c.real) for c in constants if c.memory not in own}
+            shared = [t.is_contiguous() and (t.data_ptr(), t.numel() * t.element_size()) in memory
+                      and (t.numel(), t.is_floating_point()) not in foreign for t in weight_values]
         self.model = model
+        #: converted with the weights as inputs: nothing of them is in the model but the tensors themselves
+        self.weights_were_inputs = weights_were_inputs
         self._tensors = [weakref.ref(t) for t in weight_values]
         self._addresses = [t.data_ptr() for t in weight_values]
         self._copied = {i: digests[i] for i, s in enumerate(shared) if not s}
@@ -143,9 +151,26 @@ def weightless_copy(model: ov.Model, weight_values: Sequence[torch.Tensor]) -> o
     return copy
 
 
+def bindable(t: torch.Tensor) -> bool:
+    """Whether a constant can read ``t``'s memory (a contiguous CPU tensor)."""
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+def name_weight_inputs(model: ov.Model, first: int, count: int) -> ov.Model | None:
+    """Name the parameters ``first .. first + count - 1`` of a model converted with the weights as its
+    last inputs as :func:`attach_weights` expects (``__ov_weight_<i>``); None when it has other inputs."""
+    params = model.get_parameters()
+    if len(params) != first + count:
+        return None
+    for i, param in enumerate(params[first:]):
+        param.set_friendly_name(f"{WEIGHT_PARAMETER}{i}")
+    return model
+
+
 def attach_weights(model: ov.Model, weight_values: Sequence[torch.Tensor]) -> ov.Model | None:
-    """Give a model stored by :func:`weightless_copy` its weights: each weight parameter becomes a
-    constant reading the tensor itself. None when a tensor does not fit its parameter (then the
+    """Give a model stored by :func:`weightless_copy`, or converted with the weights as inputs
+    (:func:`name_weight_inputs`), its weights: each weight parameter becomes a constant reading the
+    tensor itself. None when a tensor does not fit its parameter (then the
     stored model is not of these weights' graph)."""
     params = [p for p in model.get_parameters() if p.get_friendly_name().startswith(WEIGHT_PARAMETER)]
     for param in params:
@@ -153,9 +178,17 @@ def attach_weights(model: ov.Model, weight_values: Sequence[torch.Tensor]) -> ov
         if index >= len(weight_values):
             return None
         t = weight_values[index]
-        shape = [int(d) for d in param.get_output_shape(0)]
-        # the conversion may have made a view of another shape (a bias as [1, C, 1, 1]): same memory
-        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != int(np.prod(shape, dtype=np.int64)):
+        if not bindable(t):
+            return None
+        wanted = param.get_output_partial_shape(0)
+        if wanted.is_static:
+            # the conversion may have made a view of another shape (a bias as [1, C, 1, 1]): same memory
+            shape = [int(d) for d in wanted.to_shape()]
+            if t.numel() != int(np.prod(shape, dtype=np.int64)):
+                return None
+        elif wanted.compatible(ov.PartialShape(list(t.shape))):
+            shape = list(t.shape)  # a weight input of the conversion (dynamic as converted): the tensor's own
+        else:
             return None
         const = _shared_constant(t.detach().view(shape))
         if const.get_output_element_type(0) != param.get_output_element_type(0):

@@ -3,9 +3,10 @@
 Owns :class:`GraphBuilder`, which picks the route and records it in a compile report:
 
 * dynamic: a symbolic-shape graph (dynamo's second shape onward) is converted once with its
-  dynamic dimensions kept (cached), then reshaped and compiled for each new signature; when the
-  weights change in place, the converted model that reads them from the tensors is compiled
-  again instead of converting anew (:mod:`ov_backend.live`);
+  dynamic dimensions kept and the weights as inputs, then the weights are bound as constants that
+  read the tensors; it is reshaped and compiled for each new signature. When the weights change in
+  place (a LoRA, another checkpoint), the model is compiled again instead of converting anew
+  (:mod:`ov_backend.live`), and its cache entry, which holds no weights, serves any weights;
 * whole-graph cache entry: a graph cached earlier as one model is compiled from the cache
   without tracing;
 * static: the graph is traced for the signature, partitioned and converted
@@ -31,7 +32,7 @@ from ov_backend import convert, quantize, weights
 from ov_backend.context import BuildContext
 from ov_backend.files import format_bytes
 from ov_backend.inputs import GraphInputs, signature_text
-from ov_backend.live import LiveModel, attach_weights, weightless_copy
+from ov_backend.live import LiveModel, attach_weights, bindable, name_weight_inputs, weightless_copy
 from ov_backend.ops import decomposition_table, node_op_name
 from ov_backend.partitions import StaticBuild
 from ov_backend.precision import QUANTIZED_PRECISIONS
@@ -128,8 +129,11 @@ class GraphBuilder:
                             "static route", self.name, self._dynamic_failed.splitlines()[0])
         if self._dynamic_failed is not None:
             return None  # the graph, not its weights, made it fail: each shape goes the static route
-        key = context.key("dynamic", [(len(s[0]), s[1]) for s in sig], fingerprint,
-                          {"graph": self._graph_code, "dims": dims})
+        # converted with the weights as inputs (below), the model holds nothing of them: one entry
+        # serves every checkpoint and LoRA of this graph, so its key names no weights
+        weight_free = all(bindable(t) for t in weight_values)
+        key = context.key("dynamic", [(len(s[0]), s[1]) for s in sig], None if weight_free else fingerprint,
+                          {"graph": self._graph_code, "dims": dims, "weights": "inputs" if weight_free else "baked"})
         base = variants.get(DYNAMIC_MODEL)
         if base is None:
             # weights changed in place (a LoRA, a checkpoint loaded into the same modules): the model
@@ -138,7 +142,8 @@ class GraphBuilder:
             if base is not None:
                 part.reused, part.weights_changed = True, changed
                 variants[DYNAMIC_MODEL] = base
-                if changed and context.settings.model_caching:
+                assert self._live is not None
+                if changed and context.settings.model_caching and not self._live.weights_were_inputs:
                     # stored for these weights too (no weights in it), so the next process finds them
                     context.cache_store(key, weightless_copy(base, weight_values),
                                         f"{self.name} dynamic {report.signature}")
@@ -150,12 +155,13 @@ class GraphBuilder:
                     logger.warning("%s: the cached model does not fit the graph's weights; converting again",
                                    self.name)
                 else:
-                    self._remember_live(base, weight_values)
+                    self._remember_live(base, weight_values, weight_free)
             part.cache_hit = base is not None
             if base is None:
                 start = time.perf_counter()
                 try:
-                    base = convert.convert_dynamic(self.inputs.closure(weight_values, {}), user_values, dims)
+                    base, weight_free = self._convert_dynamic(user_values, weight_values, dims, weight_free,
+                                                              key, report)
                 except convert.ConversionError as err:
                     report.warnings.append(f"dynamic conversion failed: {err}")
                     logger.warning("%s: could not convert with dynamic shapes (%s); converting each input "
@@ -165,11 +171,11 @@ class GraphBuilder:
                         context.cache.note_failure(self._dynamic_failure_key(sig), str(err))
                     return None
                 part.convert_seconds = time.perf_counter() - start
-                live = self._remember_live(base, weight_values)
-                if context.settings.model_caching:
+                live_model = self._remember_live(base, weight_values, weight_free)
+                if context.settings.model_caching and not weight_free:
                     # the weights the model reads from the tensors are not written: the entry is the
                     # graph and the few constants the conversion made itself
-                    stored = weightless_copy(base, weight_values) if live.shared_bytes else base
+                    stored = weightless_copy(base, weight_values) if live_model.shared_bytes else base
                     context.cache_store(key, stored, f"{self.name} dynamic {report.signature}")
             variants[DYNAMIC_MODEL] = base
         elif not part.reused:
@@ -200,13 +206,45 @@ class GraphBuilder:
             variant = self._recording(variant, variants, None, base, int8_key, report, list)
         return variant
 
+    def _convert_dynamic(self, user_values: Sequence[Any], weight_values: Sequence[torch.Tensor],
+                         dims: Sequence[Sequence[int]], weight_free: bool, key: str,
+                         report: CompileReport) -> tuple[ov.Model, bool]:
+        """Convert with dynamic shapes; returns the model (weights bound) and whether the weights were its
+        inputs.
+
+        With ``weight_free``, the weights are inputs of the conversion: no constant of the model is made
+        from their values (the frontend would otherwise copy some, e.g. a layer norm's weight reshaped,
+        and drop others, e.g. a norm of ones), so the model follows any weight changed in place, and its
+        cache entry (written here, before the weights are bound) holds no weights at all. Otherwise,
+        or if the frontend cannot take them as inputs, they are constants of the conversion."""
+        if weight_free:
+            try:
+                model = convert.convert_dynamic(self.inputs.taking_weights(), [*user_values, *weight_values],
+                                                [*dims, *([()] * len(weight_values))])
+            except convert.ConversionError as err:
+                logger.info("%s: could not convert with the weights as inputs (%s); converting with them as "
+                            "constants", self.name, str(err).splitlines()[0])
+            else:
+                named = name_weight_inputs(model, len(user_values), len(weight_values))
+                if named is not None:
+                    self.context.cache_store(key, named, f"{self.name} dynamic {report.signature}")
+                    bound = attach_weights(named, weight_values)
+                    if bound is not None:
+                        return bound, True
+                logger.info("%s: the model converted with the weights as inputs did not take them back; "
+                            "converting with them as constants", self.name)
+                self.context.cache.clear([key])
+        return convert.convert_dynamic(self.inputs.closure(weight_values, {}), user_values, dims), False
+
     def _dynamic_failure_key(self, sig: tuple[Any, ...]) -> str:
         """The key under which a failed dynamic conversion of this graph is remembered (no weights in it)."""
         return self.context.key("dynamic-failure", [(len(s[0]), s[1]) for s in sig], None,
                                 {"graph": self._graph_code, "dims": self.inputs.dynamic_dims})
 
-    def _remember_live(self, base: ov.Model, weight_values: Sequence[torch.Tensor]) -> LiveModel:
-        live = self._live = LiveModel(base, weight_values, weights.digests(weight_values, self.context.digests))
+    def _remember_live(self, base: ov.Model, weight_values: Sequence[torch.Tensor],
+                       weights_were_inputs: bool = False) -> LiveModel:
+        live = self._live = LiveModel(base, weight_values, weights.digests(weight_values, self.context.digests),
+                                      weights_were_inputs)
         logger.info("%s: the converted model reads %s of weights from the PyTorch tensors and holds copies of %s",
                     self.name, format_bytes(live.shared_bytes), format_bytes(live.copied_bytes))
         return live

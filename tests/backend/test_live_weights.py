@@ -68,31 +68,36 @@ def test_lora_like_change_is_compiled_from_the_converted_model(backend):
     assert backend.stats()["compiles"] == compiles
 
 
-class Head(Block):
-    """The block without its layer norm (whose weights OpenVINO's frontend copies over a 4-d input)."""
+def test_a_checkpoint_loaded_in_place_or_never_seen_converts_nothing(backend, tmp_path):
+    """Every weight changes (A1111 loads another checkpoint into the same modules). The graph was
+    converted with the weights as inputs, so its model holds nothing of them (not the layer norm's
+    weight, which the frontend reshapes, nor a norm of ones, which it would drop): compiling it again
+    gives the new checkpoint's picture, and its one cache entry serves a checkpoint the next process
+    has never seen."""
+    from ov_backend import OVBackend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv(x).permute(0, 2, 3, 1)
-        return self.out(torch.nn.functional.silu(self.q(h))).permute(0, 3, 1, 2)
-
-
-def test_a_checkpoint_loaded_in_place_is_compiled_without_converting(backend):
-    """Every weight changes (A1111 loads another checkpoint into the same modules). The output bias
-    has 4 elements, like the 4-element permutations of the graph (as an SD UNet's beside its shape
-    constants): integers, never copies of it, so the converted model still reads every weight from the
-    tensors and a compile gives the new checkpoint's picture."""
-    model, other = Head().eval(), Head().eval()
+    options = {"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")}
+    model, other, third = Block().eval(), Block().eval(), Block().eval()
     torch.manual_seed(5)
-    for p in other.parameters():
+    for p in [*other.parameters(), *third.parameters()]:
         torch.nn.init.normal_(p)
-    compiled = torch.compile(model, backend=backend)
+    first = OVBackend(options)
+    compiled = torch.compile(model, backend=first)
     call(compiled, model, 8, 8)
-    converted = backend.stats()["convert_seconds"]
+    converted = first.stats()["convert_seconds"]
+    assert first.reports[-1].route == "dynamic" and converted > 0
     with torch.no_grad():
-        model.load_state_dict(other.state_dict())  # copy_ into the same tensors
+        model.load_state_dict(other.state_dict())  # copy_ into the same tensors, the norm's too
     call(compiled, model, 8, 8)  # the picture of the new weights (compared with eager inside)
-    assert backend.stats()["convert_seconds"] == converted
-    assert "conversion reused for the new weights" in backend.reports[-1].summary()
+    assert first.stats()["convert_seconds"] == converted
+    assert "conversion reused for the new weights" in first.reports[-1].summary()
+    entries = [e for e in first.cache.entries() if "dynamic" in e.description]
+    assert len(entries) == 1  # one entry for both checkpoints: it names no weights
+
+    torch._dynamo.reset()  # the next process, a third checkpoint: read from the cache, not converted
+    second = OVBackend(options)
+    call(torch.compile(third, backend=second), third, 8, 8)
+    assert second.reports[-1].cache_hit and second.stats()["convert_seconds"] == 0
 
 
 @pytest.mark.parametrize("change", ["norm", "conv bias", "replaced tensor"])
@@ -167,6 +172,18 @@ def test_live_model_rules():
     copied_w.add_(1.0)  # the model holds an older copy: does not
     assert not live.serves(ws, digests(ws))
     assert not live.serves([shared_w.clone(), copied_w], digests([shared_w.clone(), copied_w]))
+
+
+def test_an_integer_constant_is_never_taken_for_a_copy_of_a_float_weight():
+    """An SD UNet's 4-element output bias beside its 4-element shape and permutation constants."""
+    bias = torch.randn(4)
+    x = ops.parameter([1, 1, 1, 4], np.float32, name="x")
+    permuted = ops.transpose(ops.add(x, _shared(bias)), ops.constant(np.array([0, 3, 1, 2], dtype=np.int64)))
+    model = ov.Model([permuted], [x])
+    live = LiveModel(model, [bias], digests([bias]))
+    assert live.shared_bytes == 16 and live.copied_bytes == 0
+    bias.add_(1.0)
+    assert live.serves([bias], digests([bias]))
 
 
 def test_a_copy_with_a_shared_weights_element_count_makes_it_count_as_copied():
@@ -288,17 +305,18 @@ def test_a_failed_dynamic_conversion_is_not_tried_again(tmp_path, monkeypatch):
     first = OVBackend(options)
     compiled = torch.compile(model, backend=first)
     call(compiled, model, 8, 8)
-    assert first.reports[-1].route == "static" and len(tries) == 1
+    # tried once with the weights as inputs, once with them as constants
+    assert first.reports[-1].route == "static" and len(tries) == 2
     with torch.no_grad():
         model.q.weight.add_(1.0)  # other weights
     call(compiled, model, 8, 8)
     call(compiled, model, 12, 8)  # another shape: static too
-    assert len(tries) == 1
+    assert len(tries) == 2
     assert "no rule for the test's op" in (tmp_path / "cache" / "conversion-failures.json").read_text()
     torch._dynamo.reset()
     second = OVBackend(options)
     call(torch.compile(model, backend=second), model, 16, 8)
-    assert len(tries) == 1 and second.reports[-1].route == "static"
+    assert len(tries) == 2 and second.reports[-1].route == "static"
     first.cache.clear()
     assert not (tmp_path / "cache" / "conversion-failures.json").exists()
 
