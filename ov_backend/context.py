@@ -67,10 +67,17 @@ class BuildContext:
             raise OpenVINOFallbackError(message + " (strict mode: not running it in PyTorch)") from err
         logger.warning("%s; running it in PyTorch", message)
 
-    def key(self, what: str, sig: Any, fingerprint: str | None, extra: Mapping[str, Any]) -> str:
-        """The cache key of a model: what it is, its signature, weights, settings and versions."""
+    def key(self, what: str, sig: Any, fingerprint: str | None, extra: Mapping[str, Any],
+            for_device: bool = True) -> str:
+        """The cache key of a model: what it is, its signature, weights, settings and versions.
+
+        ``for_device=False``: a model as converted, before any device or precision touched it (the
+        dynamic route's), whose key leaves out the device and its config: a precision switch reuses it."""
+        settings = self.settings.result_key()
+        if not for_device:
+            settings = {k: v for k, v in settings.items() if k not in ("device", "config")}
         return make_key({"what": what, "signature": repr(sig), "weights": fingerprint,
-                         "settings": self.settings.result_key(), "versions": dict(self.versions), **extra})
+                         "settings": settings, "versions": dict(self.versions), **extra})
 
     def cache_load(self, key: str) -> ov.Model | None:
         """The converted model cached under ``key``, or None (counted as a hit or a miss)."""

@@ -133,7 +133,8 @@ class GraphBuilder:
         # serves every checkpoint and LoRA of this graph, so its key names no weights
         weight_free = all(bindable(t) for t in weight_values)
         key = context.key("dynamic", [(len(s[0]), s[1]) for s in sig], None if weight_free else fingerprint,
-                          {"graph": self._graph_code, "dims": dims, "weights": "inputs" if weight_free else "baked"})
+                          {"graph": self._graph_code, "dims": dims, "weights": "inputs" if weight_free else "baked"},
+                          for_device=False)
         base = variants.get(DYNAMIC_MODEL)
         if base is None:
             # weights changed in place (a LoRA, a checkpoint loaded into the same modules): the model

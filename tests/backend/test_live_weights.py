@@ -99,6 +99,16 @@ def test_a_checkpoint_loaded_in_place_or_never_seen_converts_nothing(backend, tm
     call(torch.compile(third, backend=second), third, 8, 8)
     assert second.reports[-1].cache_hit and second.stats()["convert_seconds"] == 0
 
+    torch._dynamo.reset()  # another precision: the model as converted is the same (its key has no device)
+    other_precision = OVBackend(dict(options, precision="auto"))
+    with torch.no_grad():
+        x = torch.randn(2, 4, 8, 8)
+        for dim in (0, 2, 3):
+            torch._dynamo.maybe_mark_dynamic(x, dim)
+        got, want = torch.compile(third, backend=other_precision)(x), third(x)
+        assert float((got - want).norm() / want.norm()) < 0.03  # bf16 where the CPU has it
+    assert other_precision.reports[-1].cache_hit and other_precision.stats()["convert_seconds"] == 0
+
 
 @pytest.mark.parametrize("change", ["norm", "conv bias", "replaced tensor"])
 def test_any_weight_change_gives_the_new_weights(backend, change):
