@@ -32,7 +32,7 @@ from ov_backend import convert, quantize, weights
 from ov_backend.context import BuildContext
 from ov_backend.files import format_bytes
 from ov_backend.inputs import GraphInputs, signature_text
-from ov_backend.live import LiveModel, attach_weights, bindable, name_weight_inputs, weightless_copy
+from ov_backend.live import WEIGHT_PARAMETER, LiveModel, attach_weights, bindable, name_weight_inputs, weightless_copy
 from ov_backend.ops import decomposition_table, node_op_name
 from ov_backend.partitions import StaticBuild
 from ov_backend.precision import QUANTIZED_PRECISIONS
@@ -44,6 +44,14 @@ logger = logging.getLogger(__name__)
 
 #: the key, in a weights set's variants, of the model converted with dynamic shapes
 DYNAMIC_MODEL = "__dynamic_model__"
+
+
+def _weightless(xml: Path) -> bool:
+    """Whether a cached ``model.xml`` was stored without its weights (:func:`weightless_copy`)."""
+    try:
+        return WEIGHT_PARAMETER in xml.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -281,7 +289,7 @@ class GraphBuilder:
             if variant is not None:
                 return variant
         variant = self._build_static_float(sig, user_values, weight_values, fingerprint, report)
-        model = self._whole_model(sig, fingerprint)
+        model = self._whole_model(sig, fingerprint, weight_values)
         if model is None or not variant.in_openvino:
             report.warnings.append("INT8 needs the graph as one OpenVINO model; it runs at float")
             logger.warning("%s %s: INT8 needs the graph as one OpenVINO model (it was partitioned); it runs at "
@@ -292,7 +300,8 @@ class GraphBuilder:
                                lambda user: [v for pos, v in enumerate(user)
                                              if isinstance(v, torch.Tensor) and pos not in baked])
 
-    def _whole_model(self, sig: tuple[Any, ...], fingerprint: str) -> ov.Model | None:
+    def _whole_model(self, sig: tuple[Any, ...], fingerprint: str,
+                     weight_values: Sequence[torch.Tensor]) -> ov.Model | None:
         """The float model of the whole graph for ``sig``, if the static route made or found one."""
         live = self._static_live.get(sig)
         if live is not None:
@@ -302,7 +311,12 @@ class GraphBuilder:
         whole_key = self.context.key("whole", sig, fingerprint, {
             "graph": self._graph_code, "min_partition_ops": self.context.settings.min_partition_ops})
         xml = self.context.cache.model_file(whole_key)
-        return self.context.core.read_model(str(xml)) if xml is not None else None
+        return self._read_whole(xml, weight_values) if xml is not None else None
+
+    def _read_whole(self, xml: Path, weight_values: Sequence[torch.Tensor]) -> ov.Model | None:
+        """A whole-graph entry read back, its weights attached when it was stored without them."""
+        model = self.context.core.read_model(str(xml))
+        return attach_weights(model, weight_values) if _weightless(xml) else model
 
     def _build_static_float(self, sig: tuple[Any, ...], user_values: Sequence[Any],
                             weight_values: Sequence[torch.Tensor], fingerprint: str, report: CompileReport) -> Variant:
@@ -312,7 +326,7 @@ class GraphBuilder:
             # whether the graph is one partition depends on min_partition_ops
             whole_key = context.key("whole", sig, fingerprint, {
                 "graph": self._graph_code, "min_partition_ops": context.settings.min_partition_ops})
-            cached = self._from_whole_graph_entry(whole_key, report)
+            cached = self._from_whole_graph_entry(whole_key, report, weight_values)
             if cached is not None:
                 return cached
         live = self._static_live.get(sig)
@@ -321,9 +335,11 @@ class GraphBuilder:
             if changed is not None:
                 part = PartitionReport("graph", ops=self.inputs.op_count, reused=True, weights_changed=changed)
                 if changed and whole_key is not None:
-                    # stored for these weights too (its constants are the tensors: it writes their values
-                    # now), so the next process finds the graph without tracing it
-                    context.cache_store(whole_key, live.model, f"{self.name} whole {report.signature}")
+                    # stored for these weights too, without the weights it reads from the tensors (a text
+                    # encoder's 0.5 GB is not written again for each LoRA), so the next process finds the
+                    # graph without tracing it
+                    stored = weightless_copy(live.model, weight_values) if live.shared_bytes else live.model
+                    context.cache_store(whole_key, stored, f"{self.name} whole {report.signature}")
                 variant = self._whole_graph_variant(live.model, part, report)
                 if variant is not None:
                     return variant
@@ -337,13 +353,24 @@ class GraphBuilder:
             variant.releasable = variant.in_openvino and live.shared_bytes > 0
         return variant
 
-    def _from_whole_graph_entry(self, key: str, report: CompileReport) -> Variant | None:
-        """A variant from a cached model of the whole graph, with no tracing at all; None if absent."""
+    def _from_whole_graph_entry(self, key: str, report: CompileReport,
+                                weight_values: Sequence[torch.Tensor]) -> Variant | None:
+        """A variant from a cached model of the whole graph, with no tracing at all; None if absent.
+
+        An entry with its weights compiles from its file (OpenVINO's blob cache finds it again); one stored
+        without them (after a weight change) gets these weights attached and compiles in memory."""
         xml = self.context.cache_file(key)
         if xml is None:
             return None
-        return self._whole_graph_variant(xml, PartitionReport("graph", ops=self.inputs.op_count, cache_hit=True),
-                                         report)
+        part = PartitionReport("graph", ops=self.inputs.op_count, cache_hit=True)
+        if not _weightless(xml):
+            return self._whole_graph_variant(xml, part, report)
+        model = self._read_whole(xml, weight_values)
+        if model is None:
+            logger.warning("%s: the cached model of the whole graph does not fit its weights; tracing again",
+                           self.name)
+            return None
+        return self._whole_graph_variant(model, part, report)
 
     def _whole_graph_variant(self, model: ov.Model | Path, part: PartitionReport,
                              report: CompileReport) -> Variant | None:
