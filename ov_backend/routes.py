@@ -137,12 +137,16 @@ class GraphBuilder:
                             "static route", self.name, self._dynamic_failed.splitlines()[0])
         if self._dynamic_failed is not None:
             return None  # the graph, not its weights, made it fail: each shape goes the static route
-        # converted with the weights as inputs (below), the model holds nothing of them: one entry
-        # serves every checkpoint and LoRA of this graph, so its key names no weights
+
+        def dynamic_key(free: bool) -> str:
+            # converted with the weights as inputs (see _convert_dynamic), a model holds nothing of them:
+            # one entry serves every checkpoint and LoRA of this graph, so its key names no weights
+            return context.key("dynamic", [(len(s[0]), s[1]) for s in sig], None if free else fingerprint,
+                               {"graph": self._graph_code, "dims": dims, "weights": "inputs" if free else "baked"},
+                               for_device=False)
+
         weight_free = all(bindable(t) for t in weight_values)
-        key = context.key("dynamic", [(len(s[0]), s[1]) for s in sig], None if weight_free else fingerprint,
-                          {"graph": self._graph_code, "dims": dims, "weights": "inputs" if weight_free else "baked"},
-                          for_device=False)
+        key = dynamic_key(weight_free)
         base = variants.get(DYNAMIC_MODEL)
         if base is None:
             # weights changed in place (a LoRA, a checkpoint loaded into the same modules): the model
@@ -153,8 +157,9 @@ class GraphBuilder:
                 variants[DYNAMIC_MODEL] = base
                 assert self._live is not None
                 if changed and context.settings.model_caching and not self._live.weights_were_inputs:
-                    # stored for these weights too (no weights in it), so the next process finds them
-                    context.cache_store(key, weightless_copy(base, weight_values),
+                    # a model with the weights baked in (made from their values): stored for these weights
+                    # too (no weights in it), so the next process finds them
+                    context.cache_store(dynamic_key(False), weightless_copy(base, weight_values),
                                         f"{self.name} dynamic {report.signature}")
         if base is None:
             base = context.cache_load(key)
@@ -183,9 +188,9 @@ class GraphBuilder:
                 live_model = self._remember_live(base, weight_values, weight_free)
                 if context.settings.model_caching and not weight_free:
                     # the weights the model reads from the tensors are not written: the entry is the
-                    # graph and the few constants the conversion made itself
+                    # graph and the few constants the conversion made itself, under these weights' key
                     stored = weightless_copy(base, weight_values) if live_model.shared_bytes else base
-                    context.cache_store(key, stored, f"{self.name} dynamic {report.signature}")
+                    context.cache_store(dynamic_key(False), stored, f"{self.name} dynamic {report.signature}")
             variants[DYNAMIC_MODEL] = base
         elif not part.reused:
             part.reused = True
@@ -236,13 +241,14 @@ class GraphBuilder:
             else:
                 named = name_weight_inputs(model, len(user_values), len(weight_values))
                 if named is not None:
-                    self.context.cache_store(key, named, f"{self.name} dynamic {report.signature}")
+                    stored = self.context.cache_store(key, named, f"{self.name} dynamic {report.signature}")
                     bound = attach_weights(named, weight_values)
                     if bound is not None:
                         return bound, True
+                    if stored is not None:
+                        self.context.cache.clear([key])
                 logger.info("%s: the model converted with the weights as inputs did not take them back; "
                             "converting with them as constants", self.name)
-                self.context.cache.clear([key])
         return convert.convert_dynamic(self.inputs.closure(weight_values, {}), user_values, dims), False
 
     def _dynamic_failure_key(self, sig: tuple[Any, ...]) -> str:

@@ -110,6 +110,28 @@ def test_a_checkpoint_loaded_in_place_or_never_seen_converts_nothing(backend, tm
     assert other_precision.reports[-1].cache_hit and other_precision.stats()["convert_seconds"] == 0
 
 
+def test_a_model_made_from_the_weights_values_is_never_stored_for_other_weights(tmp_path, monkeypatch):
+    """When the weights cannot stay inputs (here: the converted model would not take them back), they are
+    converted as constants; such a model (this block's norm of ones is dropped from it) is stored under
+    its weights' fingerprint, never under the key that serves any weights."""
+    from ov_backend import OVBackend, routes
+
+    monkeypatch.setattr(routes, "name_weight_inputs", lambda *args: None)
+    options = {"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")}
+    model = Block().eval()
+    first = OVBackend(options)
+    call(torch.compile(model, backend=first), model, 8, 8)
+    assert first.reports[-1].route == "dynamic"
+    torch._dynamo.reset()  # the next process, other weights (a norm that is not ones)
+    other = Block().eval()
+    torch.manual_seed(3)
+    for p in other.parameters():
+        torch.nn.init.normal_(p)
+    second = OVBackend(options)
+    call(torch.compile(other, backend=second), other, 8, 8)  # its own picture (compared with eager inside)
+    assert not second.reports[-1].cache_hit
+
+
 @pytest.mark.parametrize("change", ["norm", "conv bias", "replaced tensor"])
 def test_any_weight_change_gives_the_new_weights(backend, change):
     """Whatever the model shares with the tensors or copied, the result is that of the weights now."""
