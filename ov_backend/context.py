@@ -73,9 +73,7 @@ class BuildContext:
 
         ``for_device=False``: a model as converted, before any device or precision touched it (the
         dynamic route's), whose key leaves out the device and its config: a precision switch reuses it."""
-        settings = self.settings.result_key()
-        if not for_device:
-            settings = {k: v for k, v in settings.items() if k not in ("device", "config")}
+        settings = self.settings.result_key() if for_device else self.settings.conversion_key()
         return make_key({"what": what, "signature": repr(sig), "weights": fingerprint,
                          "settings": settings, "versions": dict(self.versions), **extra})
 

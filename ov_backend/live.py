@@ -115,6 +115,11 @@ class LiveModel:
 WEIGHT_PARAMETER = "__ov_weight_"
 
 
+def bindable(t: torch.Tensor) -> bool:
+    """Whether a constant can read ``t``'s memory (a contiguous CPU tensor)."""
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
 def _shared_constant(t: torch.Tensor) -> ov.Node:
     """A constant that reads ``t``'s memory (contiguous CPU tensor)."""
     if t.dtype == torch.bfloat16:
@@ -128,8 +133,7 @@ def weightless_copy(model: ov.Model, weight_values: Sequence[torch.Tensor]) -> o
     parameter named after the weight's position (``__ov_weight_<i>``), so the file holds no copy of
     the weights. :func:`attach_weights` puts the tensors back."""
     copy = model.clone()
-    by_memory = {(t.data_ptr(), t.numel() * t.element_size()): i
-                 for i, t in enumerate(weight_values) if t.is_contiguous() and t.device.type == "cpu"}
+    by_memory = {(t.data_ptr(), t.numel() * t.element_size()): i for i, t in enumerate(weight_values) if bindable(t)}
     added = []
     for op in copy.get_ordered_ops():
         if op.get_type_name() != "Constant":
@@ -149,11 +153,6 @@ def weightless_copy(model: ov.Model, weight_values: Sequence[torch.Tensor]) -> o
         copy.add_parameters(added)
         copy.validate_nodes_and_infer_types()
     return copy
-
-
-def bindable(t: torch.Tensor) -> bool:
-    """Whether a constant can read ``t``'s memory (a contiguous CPU tensor)."""
-    return t.device.type == "cpu" and t.is_contiguous()
 
 
 def name_weight_inputs(model: ov.Model, first: int, count: int) -> ov.Model | None:

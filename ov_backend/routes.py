@@ -320,9 +320,9 @@ class GraphBuilder:
         return self._read_whole(xml, weight_values) if xml is not None else None
 
     def _read_whole(self, xml: Path, weight_values: Sequence[torch.Tensor]) -> ov.Model | None:
-        """A whole-graph entry read back, its weights attached when it was stored without them."""
-        model = self.context.core.read_model(str(xml))
-        return attach_weights(model, weight_values) if _weightless(xml) else model
+        """A whole-graph entry read back, its weights attached when it was stored without them (a model
+        with its weights has no weight parameters: attaching leaves it as it is)."""
+        return attach_weights(self.context.core.read_model(str(xml)), weight_values)
 
     def _build_static_float(self, sig: tuple[Any, ...], user_values: Sequence[Any],
                             weight_values: Sequence[torch.Tensor], fingerprint: str, report: CompileReport) -> Variant:

@@ -86,15 +86,17 @@ class BackendSettings:
         """``config`` as the dict ``compile_model`` takes."""
         return dict(self.config)
 
-    def result_key(self) -> dict[str, Any]:
-        """The settings that change what a compiled model computes (used in cache keys)."""
+    def conversion_key(self) -> dict[str, Any]:
+        """The settings that change a model as converted, before a device compiles it (cache keys)."""
         return {
-            "device": self.device,
-            "config": list(self.config),
             "decompositions": list(self.decompositions),
             "disabled_ops": list(self.disabled_ops),
             "aot_autograd": self.aot_autograd,
         }
+
+    def result_key(self) -> dict[str, Any]:
+        """The settings that change what a compiled model computes (used in cache keys)."""
+        return {"device": self.device, "config": list(self.config), **self.conversion_key()}
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BackendSettings))
