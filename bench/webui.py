@@ -59,6 +59,9 @@ class Row(NamedTuple):
     """0: the first checkpoint, 1: the second."""
     lora: float | None
     """The LoRA's weight in the prompt; None: no LoRA."""
+    long_prompt: bool = False
+    """A prompt of two 75-token chunks: A1111 runs the UNet at a batch of 1 for the prompt and for the
+    negative prompt apart (their conditionings differ in length)."""
 
 
 ROWS: tuple[Row, ...] = (
@@ -68,6 +71,7 @@ ROWS: tuple[Row, ...] = (
     Row("size2", "second size {size}", 1, False, 0, None),
     Row("size3", "third size {size}", 2, False, 0, None),
     Row("back", "back to {size}", 0, False, 0, None),
+    Row("long", "long prompt (UNet at batch 1)", 0, False, 0, None, long_prompt=True),
     Row("switch", "checkpoint switch", 0, False, 1, None),
     Row("switch_back", "switch back", 0, False, 0, None),
     Row("lora", "LoRA added (weight 1)", 0, False, 0, 1.0),
@@ -172,6 +176,8 @@ class Scenario:
         # a new prompt per request within a mode (so the text encoder runs), the same one for the same request in
         # every mode (so each accelerated image can be compared with stock's); the restart repeats the first
         prompt = f"a lighthouse on a cliff at dusk, take {'first' if row.key == 'restart' else row.key}"
+        if row.long_prompt:
+            prompt += ", " + ", ".join(f"detail {i}" for i in range(40))  # about 120 tokens
         if row.lora is not None:
             prompt += f" <lora:{self.lora}:{row.lora:g}>"
         return {"prompt": prompt, "negative_prompt": "blurry, low quality", "seed": 1234, "steps": self.config.steps,

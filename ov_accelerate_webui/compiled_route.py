@@ -8,8 +8,9 @@ inputs moves the route to its f32 build, which runs the same call again and whos
 
 Sizes: the dimensions that change between generations (:data:`VARYING_DIMS`: batch, latent height and
 width, prompt length) are marked dynamic on the first call, so dynamo hands the backend one graph with
-symbolic sizes from the start. Each new size is then compiled once, and a size seen before is found
-again without a compile. (Left to dynamo's automatic dynamic shapes, the first size would be compiled
+symbolic sizes from the start; that graph also serves a batch of 1 (the UNet's calls when a long prompt
+and its negative prompt differ in length). Each new size is then compiled once, and a size seen before
+is found again without a compile. (Left to dynamo's automatic dynamic shapes, the first size would be compiled
 twice: once static, and once more in the symbolic graph that later shadows it.)
 """
 
@@ -145,7 +146,8 @@ def make_forward(
         def through_torch_compile(*args: Any, **kwargs: Any) -> Any:
             if new:  # (a saved capture is called with the arguments unmarked: its guards ask for that)
                 mark_varying_dims(args, kwargs, build.varying_dims)
-            return build.compiled(*args, **kwargs)
+            with backend_module("portable").sizes_may_be_one():
+                return build.compiled(*args, **kwargs)
 
         before = build.counter.graphs_run()
         try:

@@ -282,6 +282,27 @@ def _pickling_by_code() -> Iterator[None]:
             aot_compile.AOTCompilePickler, guards.GuardsStatePickler = plain
 
 
+@contextlib.contextmanager
+def sizes_may_be_one() -> Iterator[None]:
+    """Within the block, dynamo's symbolic sizes may also be 1 (or 0) in later calls.
+
+    dynamo assumes a size it made symbolic is at least 2 and guards on it, so a graph captured with a
+    batch of 2 does not serve a batch of 1: dynamo traces the code again and the backend converts that
+    second graph. A1111 runs the UNet at a batch of 1 whenever the prompt and the negative prompt differ
+    in length (a prompt over 75 tokens): that was a second capture and conversion of the whole UNet (about
+    a minute at full size). With torch's size-oblivious reasoning on backed sizes, the one graph has no
+    such guard. (A size of 1 in the call that is traced still stays static: :func:`mark_varying`.)
+    Without that torch setting the block changes nothing, and a batch of 1 is captured on its own.
+    """
+    from torch.fx.experimental import _config as config
+
+    if not hasattr(config, "backed_size_oblivious"):
+        yield
+        return
+    with config.patch(backed_size_oblivious=True):
+        yield
+
+
 def mark_varying(tensor: torch.Tensor, dims: Mapping[int, tuple[int, ...]]) -> None:
     """Mark ``dims`` (tensor rank -> dimensions) of ``tensor`` as dynamic for dynamo; sizes of 1 stay static."""
     for dim in dims.get(tensor.dim(), ()):
@@ -294,9 +315,10 @@ def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     """Capture ``function`` (e.g. a module's bound ``forward``) for calls like ``function(*args, **kwargs)``
     through ``backend`` (whose graphs must be :class:`PortableGraph`), without running it.
 
-    ``dynamic`` (tensor rank -> dimensions) marks sizes as symbolic (sizes of 1 stay static). The
-    arguments are not marked themselves: stand-ins sharing their data are, so that dynamo's guards do not
-    ask later calls for the marking.
+    ``dynamic`` (tensor rank -> dimensions) marks sizes as symbolic (sizes of 1 stay static; a symbolic
+    size serves later calls where it is 1: :func:`sizes_may_be_one`). The arguments are not marked
+    themselves: stand-ins sharing their data are, so that dynamo's guards do not ask later calls for the
+    marking.
 
     Raises:
         whatever dynamo raises when the function cannot be captured whole and saved (a graph break, a
@@ -325,7 +347,11 @@ def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         return kept
 
     compiled = torch.compile(function, backend=backend, fullgraph=True, options={"guard_filter_fn": keep})
-    with _pickling_by_code():  # (the guards are pickled as they are built)
+    # (the guards are pickled as they are built.) The sizes made symbolic are the marked ones only, whatever
+    # the process captured before: dynamo's automatic dynamic shapes would make more of them symbolic in a
+    # second capture of the function, and guard them on the stand-in's base, which no later call matches.
+    no_automatic = torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+    with _pickling_by_code(), sizes_may_be_one(), no_automatic:
         aot = compiled.aot_compile((tuple(stand_in(a) for a in args), {k: stand_in(v) for k, v in kwargs.items()}))
     return Capture(aot, identities, getattr(function, "__func__", function).__module__)
 

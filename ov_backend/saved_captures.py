@@ -8,8 +8,9 @@ captures a module's method once, saves the capture beside the models, and a late
 
 What keeps a saved capture honest:
 - its key names what was traced: the module's class, the method's code and source, the extension's and
-  torch's versions, and the form of the call (tensor ranks and dtypes, which varying sizes are 1: a
-  size of 1 stays static in the graph);
+  torch's versions, and the form of the call (tensor ranks, dtypes and devices; not the sizes: a
+  capture's symbolic sizes serve any size, 1 included, see :func:`portable.sizes_may_be_one`, and a
+  capture made for a size of 1, which stays static, is followed by one that serves the others);
 - on load, the source of every function the capture traced must be unchanged, and on each call dynamo's
   saved guards must hold, and so must the functions and classes its identity guards named (compared by
   name and code location, as identities differ between processes).
@@ -48,13 +49,12 @@ def _source_hash(function: Any) -> str:
         return ""
 
 
-def call_form(args: tuple[Any, ...], kwargs: Mapping[str, Any], varying: Mapping[int, tuple[int, ...]]) -> tuple:
+def call_form(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple:
     """What distinguishes calls that need different captures: each argument's kind, and for tensors the
-    rank, dtype, device and which of its varying sizes are 1 (those stay static in the graph)."""
+    rank, dtype and device."""
     def form(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            ones = tuple(d for d in varying.get(value.dim(), ()) if value.shape[d] == 1)
-            return ("tensor", value.dim(), str(value.dtype), value.device.type, ones)
+            return ("tensor", value.dim(), str(value.dtype), value.device.type)
         if value is None or isinstance(value, (bool, int, float, str)):
             return (type(value).__name__, value if not isinstance(value, float) else None)
         return (type(value).__name__,)
@@ -120,9 +120,13 @@ class SavedCaptures:
         return hashlib.sha256(payload.encode()).hexdigest()[:40]
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], fallback: Callable[..., Any]) -> Any:
-        """Run the call with its capture, or with ``fallback`` (torch.compile's function) when it has none."""
-        found = self.find(args, kwargs)
-        return found(self.module, *args, **kwargs) if found is not None else fallback(*args, **kwargs)
+        """Run the call with its capture, or with ``fallback`` (torch.compile's function) when it has none.
+
+        Either way a symbolic size dynamo makes also serves calls where it is 1
+        (:func:`portable.sizes_may_be_one`)."""
+        with portable.sizes_may_be_one():
+            found = self.find(args, kwargs)
+            return found(self.module, *args, **kwargs) if found is not None else fallback(*args, **kwargs)
 
     def find(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
         """The capture that runs this call (loaded or made now), or None: then torch.compile runs it.
@@ -132,7 +136,7 @@ class SavedCaptures:
         saved."""
         if self.off is not None:
             return None
-        form = call_form(args, kwargs, self.varying)
+        form = call_form(args, kwargs)
         with self._lock:
             known = self._captures.setdefault(form, [])
             found = next((c for c in known if c.matches(self.module, *args, **kwargs)), None)

@@ -180,3 +180,43 @@ def test_each_variant_of_a_call_keeps_its_capture(tmp_path: Path, monkeypatch: p
             got = captures.call((x,), {}, lambda *a: pytest.fail("ran through torch.compile"))
             torch.testing.assert_close(got, net(x), atol=1e-4, rtol=1e-4)
     assert backend.stats()["captures_made"] == 2 and backend.stats()["captures_saved"] == 2
+
+
+def test_a_capture_at_a_batch_of_two_serves_a_batch_of_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A1111 calls the UNet with a batch of 1 when a long prompt and its negative prompt differ in length:
+    the capture made at a batch of 2 serves it (no second capture, no second conversion). A capture made
+    at a batch of 1 (static) is followed by one that serves every batch, and that one is saved: the next
+    process runs both batches from it."""
+    from ov_backend.saved_captures import SavedCaptures
+
+    (tmp_path / "tinynet.py").write_text(NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tinynet
+
+    net = tinynet.Net().eval()
+    no_compile = lambda *a: pytest.fail("ran through torch.compile")  # noqa: E731
+
+    def backend_and_captures(cache: str) -> tuple[OVBackend, SavedCaptures]:
+        backend = OVBackend({"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / cache)})
+        return backend, SavedCaptures.of(net.forward, "forward", backend, backend, {4: (0, 2, 3)})
+
+    def check(captures: SavedCaptures, *shapes: tuple[int, ...]) -> None:
+        for shape in shapes:
+            x = torch.randn(*shape)
+            torch.testing.assert_close(captures.call((x,), {}, no_compile), net(x), atol=1e-4, rtol=1e-4)
+
+    with torch.no_grad():
+        backend, captures = backend_and_captures("two-first")
+        check(captures, (2, 4, 16, 16), (1, 4, 16, 16), (1, 4, 8, 24), (3, 4, 16, 16))
+        assert backend.stats()["captures_made"] == 1, backend.stats()
+        assert [r.route for r in backend.reports] == ["dynamic"] * 4
+        assert all("conversion reused" in r.summary() for r in backend.reports[1:]), backend.reports
+
+        backend, captures = backend_and_captures("one-first")
+        check(captures, (1, 4, 16, 16), (2, 4, 16, 16), (1, 4, 16, 16))
+        assert backend.stats()["captures_made"] == 2 and backend.stats()["captures_saved"] == 2, backend.stats()
+
+        torch._dynamo.reset()  # the next process
+        backend, captures = backend_and_captures("one-first")
+        check(captures, (1, 4, 16, 16), (2, 4, 16, 16), (4, 4, 8, 8))
+        assert backend.stats()["captures_loaded"] == 1 and backend.stats()["captures_made"] == 0, backend.stats()

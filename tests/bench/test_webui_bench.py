@@ -47,6 +47,8 @@ def test_tiny_run_measures_every_row(tmp_path):
     # what it uses), so it is a compile of the model converted before, never a conversion
     assert rows[("auto", "back")]["convert_seconds"] == 0, rows[("auto", "back")]["status"]
     assert rows[("auto", "size3")]["released"] > 0, rows[("auto", "size3")]["status"]
+    # a long prompt runs the UNet at a batch of 1: the model converted for a batch of 2 serves it
+    assert rows[("auto", "long")]["convert_seconds"] == 0, rows[("auto", "long")]["status"]
     assert rows[("auto", "restart")]["cache_hits"] > 0, rows[("auto", "restart")]["status"]
     assert rows[("auto", "first")]["compiles"] > 0 and rows[("auto", "first")]["compile_seconds"] > 0
     # every accelerated image is compared with stock's for the same request (at auto: bf16 where the CPU has it)
