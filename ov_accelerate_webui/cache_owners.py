@@ -3,8 +3,10 @@
 The backend's cache keys name weights by content, not by checkpoint: the adapter notes, after each
 generation, the entries that appeared during it and the checkpoint(s) it ran, in a small index beside
 the cache (``checkpoints.json``, written atomically). Entries made by other tools, by earlier versions or
-by a run the index could not be written for are counted as not attributed. A broken or unreadable index
-is treated as empty: it only labels sizes, it never decides what is loaded.
+by a run the index could not be written for are counted as not attributed. Entries that hold nothing of
+any weights and serve every checkpoint (the backend notes them: a model converted with the weights as
+inputs, such as the UNet's and the VAE's, and the saved captures) are counted apart, whoever made them.
+A broken or unreadable index is treated as empty: it only labels sizes, it never decides what is loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from .backend_bridge import backend_module
 logger = logging.getLogger(__name__)
 
 INDEX_NAME = "checkpoints.json"
+#: The group of the entries that serve every checkpoint.
+SHARED = "every checkpoint (no weights in them)"
 
 
 def entry_keys(cache: Any) -> set[str]:
@@ -57,11 +61,12 @@ def record(folder: str | os.PathLike[str], keys: Iterable[str], checkpoint: str)
 
 def sizes_by_checkpoint(folder: str | os.PathLike[str], cache: Any) -> list[tuple[str, int, int]]:
     """(checkpoint, bytes, entries) for the entries of ``cache`` (in ``folder``), largest first; entries
-    the index does not name are under "not attributed"."""
+    that serve every checkpoint are under :data:`SHARED`, others the index does not name under "not
+    attributed"."""
     owners = _read(Path(folder))
     totals: dict[str, list[int]] = {}
     for entry in cache.entries():
-        owner = owners.get(entry.key, "not attributed")
+        owner = SHARED if entry.any_weights else owners.get(entry.key, "not attributed")
         total = totals.setdefault(owner, [0, 0])
         total[0] += entry.size_bytes
         total[1] += 1
@@ -69,7 +74,8 @@ def sizes_by_checkpoint(folder: str | os.PathLike[str], cache: Any) -> list[tupl
 
 
 def describe(folder: str | os.PathLike[str], cache: Any) -> str:
-    """One line: "By checkpoint: a.safetensors [1234abcd] 12.0 MiB (3 entries); ..." ("" when empty)."""
+    """One line: "By checkpoint: a.safetensors [1234abcd] 12.0 MiB (3 entries); every checkpoint (no weights in
+    them) 5.0 MiB (4 entries); ..." ("" when empty)."""
     fmt = backend_module("files").format_bytes
     items = sizes_by_checkpoint(folder, cache)
     if not items:

@@ -57,6 +57,8 @@ class CacheEntry:
         size_bytes: its size on disk.
         last_used: seconds since the epoch of its last load or store.
         description: what was cached (graph, input signature, device).
+        any_weights: it holds nothing of any weights and its key names none: it serves every checkpoint
+            (a model converted with the weights as inputs, a saved capture).
     """
 
     key: str
@@ -64,6 +66,7 @@ class CacheEntry:
     size_bytes: int
     last_used: float
     description: str = ""
+    any_weights: bool = False
 
 
 def make_key(parts: Mapping[str, Any]) -> str:
@@ -186,8 +189,11 @@ class ModelCache:
             shutil.rmtree(xml.parent, ignore_errors=True)
             return None
 
-    def store(self, key: str, model: ov.Model, description: str = "") -> Path | None:
+    def store(self, key: str, model: ov.Model, description: str = "", any_weights: bool = False) -> Path | None:
         """Write ``model`` under ``key`` atomically; returns the entry, or None if writing failed.
+
+        ``any_weights``: the model holds nothing of the weights it runs with and the key names none (noted
+        in the entry, see :attr:`CacheEntry.any_weights`).
 
         A failure (disk full, permissions) is logged as a WARNING and never raised: the caller
         keeps its compiled model either way.
@@ -203,7 +209,7 @@ class ModelCache:
             files = {name: {"size": (tmp / name).stat().st_size, "checksum": _file_digest(tmp / name)}
                      for name in _MODEL_FILES}
             meta = {"format": CACHE_FORMAT, "key": key, "description": description,
-                    "created": time.time(), "files": files}
+                    "created": time.time(), "files": files, **({"any_weights": True} if any_weights else {})}
             with open(tmp / _META, "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -274,15 +280,17 @@ class ModelCache:
                 except (OSError, ValueError):
                     meta, last_used = {}, entry.stat().st_mtime
                 found.append(CacheEntry(entry.name, entry, _dir_size(entry), last_used,
-                                        str(meta.get("description", "(damaged)" if not meta else ""))))
-        for sub, description in ((self.blob_dir, "OpenVINO compiled blob"),
-                                 (self.capture_dir, "saved capture of a compiled function (torch.compile)")):
+                                        str(meta.get("description", "(damaged)" if not meta else "")),
+                                        meta.get("any_weights") is True))
+        for sub, description, any_weights in (
+                (self.blob_dir, "OpenVINO compiled blob", False),
+                (self.capture_dir, "saved capture of a compiled function (torch.compile)", True)):
             if sub.is_dir():
                 for item in sub.iterdir():
                     if item.is_file():
                         st = item.stat()
                         found.append(CacheEntry(f"{sub.name}/{item.name}", item, st.st_size, st.st_mtime,
-                                                description))
+                                                description, any_weights))
         return sorted(found, key=lambda e: e.last_used, reverse=True)
 
     def total_bytes(self) -> int:

@@ -93,11 +93,12 @@ class BuildContext:
         self.stats.add(**({"cache_hits": 1} if path is not None else {"cache_misses": 1}))
         return path
 
-    def cache_store(self, key: str, model: ov.Model, description: str) -> Path | None:
-        """Store ``model`` under ``key``; returns its ``model.xml``, or None when not stored."""
+    def cache_store(self, key: str, model: ov.Model, description: str, any_weights: bool = False) -> Path | None:
+        """Store ``model`` under ``key`` (``any_weights``: see :meth:`ModelCache.store`); returns its
+        ``model.xml``, or None when not stored."""
         if not self.settings.model_caching:
             return None
-        entry = self.cache.store(key, model, description)
+        entry = self.cache.store(key, model, description, any_weights)
         return entry / "model.xml" if entry is not None else None
 
     def compile(self, model: ov.Model | Path, part: PartitionReport) -> ov.CompiledModel:

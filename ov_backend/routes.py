@@ -241,7 +241,8 @@ class GraphBuilder:
             else:
                 named = name_weight_inputs(model, len(user_values), len(weight_values))
                 if named is not None:
-                    stored = self.context.cache_store(key, named, f"{self.name} dynamic {report.signature}")
+                    stored = self.context.cache_store(key, named, f"{self.name} dynamic {report.signature}",
+                                                      any_weights=True)
                     bound = attach_weights(named, weight_values)
                     if bound is not None:
                         return bound, True

@@ -93,6 +93,7 @@ def test_a_checkpoint_loaded_in_place_or_never_seen_converts_nothing(backend, tm
     assert "conversion reused for the new weights" in first.reports[-1].summary()
     entries = [e for e in first.cache.entries() if "dynamic" in e.description]
     assert len(entries) == 1  # one entry for both checkpoints: it names no weights
+    assert entries[0].any_weights  # (the panel counts it for every checkpoint, not the one that made it)
 
     torch._dynamo.reset()  # the next process, a third checkpoint: read from the cache, not converted
     second = OVBackend(options)
@@ -130,6 +131,7 @@ def test_a_model_made_from_the_weights_values_is_never_stored_for_other_weights(
     second = OVBackend(options)
     call(torch.compile(other, backend=second), other, 8, 8)  # its own picture (compared with eager inside)
     assert not second.reports[-1].cache_hit
+    assert not any(e.any_weights for e in second.cache.entries())  # each entry is its weights' own
 
 
 @pytest.mark.parametrize("change", ["norm", "conv bias", "replaced tensor"])
