@@ -8,10 +8,12 @@ inputs moves the route to its f32 build, which runs the same call again and whos
 
 Sizes: the dimensions that change between generations (:data:`VARYING_DIMS`: batch, latent height and
 width, prompt length) are marked dynamic on the first call, so dynamo hands the backend one graph with
-symbolic sizes from the start; that graph also serves a batch of 1 (the UNet's calls when a long prompt
-and its negative prompt differ in length). Each new size is then compiled once, and a size seen before
-is found again without a compile. (Left to dynamo's automatic dynamic shapes, the first size would be compiled
-twice: once static, and once more in the symbolic graph that later shadows it.)
+symbolic sizes from the start, a batch of 1 included (the UNet's calls when a long prompt and its
+negative prompt differ in length: where torch guards the batch on being more than 1 in a capture, the
+other batch is captured again, to the same graph and converted model). Each new size is then compiled
+once, and a size seen before is found again without a compile. (Left to dynamo's automatic dynamic
+shapes, the first size would be compiled twice: once static, and once more in the symbolic graph that
+later shadows it.)
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def mark_varying_dims(
     args: Sequence[Any], kwargs: dict[str, Any], dims: Mapping[int, tuple[int, ...]] = VARYING_DIMS
 ) -> None:
     """Mark ``dims`` (rank -> dimensions; default :data:`VARYING_DIMS`) of the tensor arguments as dynamic
-    for dynamo (sizes of 1 stay static)."""
+    for dynamo (sizes of 1 too: see ``ov_backend.portable.sizes_may_be_one``)."""
     mark = backend_module("portable").mark_varying
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):

@@ -18,6 +18,7 @@ import contextvars
 import inspect
 import logging
 import pickle
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -173,6 +174,9 @@ class _ModuleGlobals(dict):
         raise KeyError(key)
 
 
+_GLOBAL_NAME = re.compile(r"G\['([A-Za-z_][A-Za-z0-9_]*)'\]")
+
+
 class Capture:
     """One function captured ahead of time: dynamo's guards and bytecode and the compiled graph.
 
@@ -190,9 +194,16 @@ class Capture:
         #: the names to read on each call, compiled once
         self._live = [(compile(name, "<guard>", "eval"), described)
                       for name, (kind, described) in identities.items() if kind not in _BY_NAME]
+        #: the module globals torch's guards read: a loaded capture's guards read them in a copy of the
+        #: module's globals made on loading, which :meth:`matches` brings up to date first (else a capture
+        #: for another value of a global, such as A1111's CLIP skip, never matches after a restart)
+        self._global_names = [m.group(1) for m in (_GLOBAL_NAME.fullmatch(name) for name in identities) if m]
 
     def matches(self, *args: Any, **kwargs: Any) -> bool:
         try:
+            scope, live = self.function.fn.__globals__, _globals_of(self.module)
+            if scope is not live:
+                scope.update({name: live[name] for name in self._global_names if name in live})
             f_locals = self.function.prepare_f_locals(*args, **kwargs)
             if not self.function._artifacts.guard_manager.check(f_locals):
                 return False
@@ -284,15 +295,18 @@ def _pickling_by_code() -> Iterator[None]:
 
 @contextlib.contextmanager
 def sizes_may_be_one() -> Iterator[None]:
-    """Within the block, dynamo's symbolic sizes may also be 1 (or 0) in later calls.
+    """Within the block, dynamo's symbolic sizes may be 1 (or 0), in the call traced and in later calls.
 
-    dynamo assumes a size it made symbolic is at least 2 and guards on it, so a graph captured with a
-    batch of 2 does not serve a batch of 1: dynamo traces the code again and the backend converts that
-    second graph. A1111 runs the UNet at a batch of 1 whenever the prompt and the negative prompt differ
-    in length (a prompt over 75 tokens): that was a second capture and conversion of the whole UNet (about
-    a minute at full size). With torch's size-oblivious reasoning on backed sizes, the one graph has no
-    such guard. (A size of 1 in the call that is traced still stays static: :func:`mark_varying`.)
-    Without that torch setting the block changes nothing, and a batch of 1 is captured on its own.
+    dynamo makes a size of 1 static and assumes a symbolic size is at least 2, so a graph captured with a
+    batch of 2 did not serve a batch of 1, nor the other way round: dynamo traced the code again, in
+    another graph, which the backend converted again. A1111 runs the UNet at a batch of 1 whenever the
+    prompt and the negative prompt differ in length (a prompt over 75 tokens): that was a second capture
+    and conversion of the whole UNet (about a minute at full size). With torch's size-oblivious reasoning
+    on backed sizes, a batch of 1 is symbolic like any other, and a capture serves both unless torch still
+    guards the size on being more than 1 (it does for A1111's UNet: the memory format it picks for a
+    convolution that reads a permuted view). Then a batch of 1 is captured again, but its graph is the
+    same, and so is its converted model (the cache key names the graph): no conversion. Without that
+    torch setting the block changes nothing.
     """
     from torch.fx.experimental import _config as config
 
@@ -304,10 +318,10 @@ def sizes_may_be_one() -> Iterator[None]:
 
 
 def mark_varying(tensor: torch.Tensor, dims: Mapping[int, tuple[int, ...]]) -> None:
-    """Mark ``dims`` (tensor rank -> dimensions) of ``tensor`` as dynamic for dynamo; sizes of 1 stay static."""
+    """Mark ``dims`` (tensor rank -> dimensions) of ``tensor`` as dynamic for dynamo, sizes of 1 included
+    (they stay symbolic within :func:`sizes_may_be_one`)."""
     for dim in dims.get(tensor.dim(), ()):
-        if tensor.shape[dim] > 1:
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any,
@@ -315,8 +329,8 @@ def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     """Capture ``function`` (e.g. a module's bound ``forward``) for calls like ``function(*args, **kwargs)``
     through ``backend`` (whose graphs must be :class:`PortableGraph`), without running it.
 
-    ``dynamic`` (tensor rank -> dimensions) marks sizes as symbolic (sizes of 1 stay static; a symbolic
-    size serves later calls where it is 1: :func:`sizes_may_be_one`). The arguments are not marked
+    ``dynamic`` (tensor rank -> dimensions) marks sizes as symbolic (sizes of 1 too, within
+    :func:`sizes_may_be_one`; outside it they stay static). The arguments are not marked
     themselves: stand-ins sharing their data are, so that dynamo's guards do not ask later calls for the
     marking.
 

@@ -9,8 +9,8 @@ captures a module's method once, saves the capture beside the models, and a late
 What keeps a saved capture honest:
 - its key names what was traced: the module's class, the method's code and source, the extension's and
   torch's versions, and the form of the call (tensor ranks, dtypes and devices; not the sizes: a
-  capture's symbolic sizes serve any size, 1 included, see :func:`portable.sizes_may_be_one`, and a
-  capture made for a size of 1, which stays static, is followed by one that serves the others);
+  capture's symbolic sizes serve any size, 1 included, see :func:`portable.sizes_may_be_one`, and where
+  torch guarded one on being more than 1, the other capture is saved beside it as a variant);
 - on load, the source of every function the capture traced must be unchanged, and on each call dynamo's
   saved guards must hold, and so must the functions and classes its identity guards named (compared by
   name and code location, as identities differ between processes).
@@ -63,6 +63,11 @@ def call_form(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple:
             torch.is_grad_enabled())
 
 
+def variant_key(key: str, variant: int) -> str:
+    """The file key of one of the captures saved for a form of call (the first one is the form's key)."""
+    return key if variant == 0 else f"{key}-{variant}"
+
+
 class SavedCaptures:
     """The saved captures of one module method, per form of call.
 
@@ -100,7 +105,8 @@ class SavedCaptures:
         }
         #: call form -> the captures made or loaded for it, in this process
         self._captures: dict[tuple, list[Any]] = {}
-        self._looked_up: set[tuple] = set()
+        #: call form -> the variants of its key loaded (or tried) or saved, in this process
+        self._tried: dict[tuple, set[int]] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -131,9 +137,10 @@ class SavedCaptures:
     def find(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
         """The capture that runs this call (loaded or made now), or None: then torch.compile runs it.
 
-        A form of call keeps every capture made for it in this process (e.g. one per value of a global the
-        code reads, such as A1111's CLIP skip), up to dynamo's recompile limit; the last one made is the one
-        saved."""
+        A form of call keeps every capture made for it (e.g. one per value of a global the code reads, such
+        as A1111's CLIP skip, or a batch of 1 where torch guarded a symbolic size on being more than 1), up
+        to dynamo's recompile limit, each saved as a variant of the form's key; a later process loads the
+        variants one by one until one matches."""
         if self.off is not None:
             return None
         form = call_form(args, kwargs)
@@ -143,17 +150,25 @@ class SavedCaptures:
             if found is not None:
                 return found
             key = self.key(form)
-            if form not in self._looked_up:
-                self._looked_up.add(form)
-                loaded = self._load(key)
+            tried = self._tried.setdefault(form, set())
+            limit = self.limit()
+            for variant in range(limit):
+                if variant in tried:
+                    continue
+                tried.add(variant)
+                loaded = self._load(variant_key(key, variant))
                 if loaded is not None:
                     known.append(loaded)
                     if loaded.matches(self.module, *args, **kwargs):
                         return loaded
-            limit = getattr(torch._dynamo.config, "recompile_limit", None) or 8
             if len(known) >= limit:
                 return None
-            return self._capture(key, known, args, kwargs)
+            return self._capture(key, known, tried, args, kwargs)
+
+    @staticmethod
+    def limit() -> int:
+        """How many captures a form of call keeps: dynamo's recompile limit."""
+        return getattr(torch._dynamo.config, "recompile_limit", None) or 8
 
     def _load(self, key: str) -> Any | None:
         if self.cache is None:
@@ -174,7 +189,8 @@ class SavedCaptures:
                     seconds)
         return loaded
 
-    def _capture(self, key: str, known: list[Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any | None:
+    def _capture(self, key: str, known: list[Any], tried: set[int], args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any]) -> Any | None:
         start = time.perf_counter()
         # the module's own __dict__ holds the replacement (its caller's objects, e.g. a backend): torch saves
         # a module's plain attributes with the guards, so it is set aside while capturing
@@ -193,7 +209,11 @@ class SavedCaptures:
         self.record(captures_made=1)
         known.append(made)
         if self.cache is not None:
-            path = self.cache.capture_file(key)
+            # the first variant with no file (none of them matched this call), else the last one
+            variant = next((v for v in range(self.limit())
+                            if not self.cache.capture_file(variant_key(key, v)).is_file()), self.limit() - 1)
+            tried.add(variant)
+            path = self.cache.capture_file(variant_key(key, variant))
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 made.save(path)

@@ -181,23 +181,43 @@ def test_each_variant_of_a_call_keeps_its_capture(tmp_path: Path, monkeypatch: p
             torch.testing.assert_close(got, net(x), atol=1e-4, rtol=1e-4)
     assert backend.stats()["captures_made"] == 2 and backend.stats()["captures_saved"] == 2
 
+    torch._dynamo.reset()  # the next process: both variants are loaded, one after the other, as needed
+    backend = OVBackend({"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")})
+    captures = SavedCaptures.of(net.forward, "forward", backend, backend, {4: (0, 2, 3)})
+    with torch.no_grad():
+        for scale in (0.25, 0.5):
+            monkeypatch.setattr(tinynet, "SCALE", scale)
+            got = captures.call((x,), {}, lambda *a: pytest.fail("ran through torch.compile"))
+            torch.testing.assert_close(got, net(x), atol=1e-4, rtol=1e-4)
+    assert backend.stats()["captures_made"] == 0 and backend.stats()["captures_loaded"] == 2
 
-def test_a_capture_at_a_batch_of_two_serves_a_batch_of_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A1111 calls the UNet with a batch of 1 when a long prompt and its negative prompt differ in length:
-    the capture made at a batch of 2 serves it (no second capture, no second conversion). A capture made
-    at a batch of 1 (static) is followed by one that serves every batch, and that one is saved: the next
-    process runs both batches from it."""
+
+#: As A1111's SpatialTransformer forward: a conv reads a permuted view (channels-last strides), and torch's
+#: choice of its memory format guards the batch on being more than 1.
+PERMUTED_NET = NET.replace("        def forward(self, x):", """        def forward(self, x):
+            b, c, h, w = x.shape
+            x = x.permute(0, 2, 3, 1).reshape(b, h * w, c).view(b, h, w, c).permute(0, 3, 1, 2)""")
+
+
+@pytest.mark.parametrize("net_source", [NET, PERMUTED_NET], ids=["plain", "permuted"])
+def test_a_batch_of_one_converts_nothing_and_every_capture_is_saved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, net_source: str) -> None:
+    """A1111 calls the UNet with a batch of 1 when a long prompt and its negative prompt differ in length.
+    After a call at a batch of 2 that converted the graph, it converts nothing: the capture serves it, or
+    where torch guarded the batch on being more than 1 (the permuted net), a second capture of the same
+    graph is made, whose model comes from the cache. Each capture is saved: the next process captures
+    nothing for either batch."""
     from ov_backend.saved_captures import SavedCaptures
 
-    (tmp_path / "tinynet.py").write_text(NET)
+    (tmp_path / "tinynet.py").write_text(net_source)
     monkeypatch.syspath_prepend(str(tmp_path))
     import tinynet
 
     net = tinynet.Net().eval()
     no_compile = lambda *a: pytest.fail("ran through torch.compile")  # noqa: E731
 
-    def backend_and_captures(cache: str) -> tuple[OVBackend, SavedCaptures]:
-        backend = OVBackend({"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / cache)})
+    def backend_and_captures() -> tuple[OVBackend, SavedCaptures]:
+        backend = OVBackend({"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")})
         return backend, SavedCaptures.of(net.forward, "forward", backend, backend, {4: (0, 2, 3)})
 
     def check(captures: SavedCaptures, *shapes: tuple[int, ...]) -> None:
@@ -206,17 +226,18 @@ def test_a_capture_at_a_batch_of_two_serves_a_batch_of_one(tmp_path: Path, monke
             torch.testing.assert_close(captures.call((x,), {}, no_compile), net(x), atol=1e-4, rtol=1e-4)
 
     with torch.no_grad():
-        backend, captures = backend_and_captures("two-first")
-        check(captures, (2, 4, 16, 16), (1, 4, 16, 16), (1, 4, 8, 24), (3, 4, 16, 16))
-        assert backend.stats()["captures_made"] == 1, backend.stats()
-        assert [r.route for r in backend.reports] == ["dynamic"] * 4
-        assert all("conversion reused" in r.summary() for r in backend.reports[1:]), backend.reports
-
-        backend, captures = backend_and_captures("one-first")
-        check(captures, (1, 4, 16, 16), (2, 4, 16, 16), (1, 4, 16, 16))
-        assert backend.stats()["captures_made"] == 2 and backend.stats()["captures_saved"] == 2, backend.stats()
+        backend, captures = backend_and_captures()
+        check(captures, (2, 4, 16, 16))
+        converted = backend.stats()["convert_seconds"]
+        assert converted > 0
+        check(captures, (1, 4, 16, 16), (1, 4, 8, 24), (3, 4, 16, 16))
+        stats = backend.stats()
+        assert stats["convert_seconds"] == converted, [r.summary() for r in backend.reports]
+        assert stats["captures_made"] == (1 if net_source == NET else 2), stats
+        assert stats["captures_saved"] == stats["captures_made"]
 
         torch._dynamo.reset()  # the next process
-        backend, captures = backend_and_captures("one-first")
-        check(captures, (1, 4, 16, 16), (2, 4, 16, 16), (4, 4, 8, 8))
-        assert backend.stats()["captures_loaded"] == 1 and backend.stats()["captures_made"] == 0, backend.stats()
+        backend, captures = backend_and_captures()
+        check(captures, (2, 4, 16, 16), (1, 4, 16, 16))
+        stats = backend.stats()
+        assert stats["captures_made"] == 0 and stats["captures_loaded"] >= 1 and stats["convert_seconds"] == 0, stats

@@ -196,15 +196,15 @@ def test_unet_attention_is_one_fused_attention_in_openvino_and_the_webuis_choice
 
 def test_long_prompt_with_emphasis_and_break(webui: WebUI) -> None:
     """A prompt longer than its negative prompt: A1111 runs the UNet at a batch of 1 for each (their
-    conditionings differ in length), and the UNet captured and converted at a batch of 2 serves both:
-    nothing is captured or converted again (it was a whole capture and conversion of the UNet, about a
-    minute at full size)."""
+    conditionings differ in length). Nothing is converted again (it was a whole capture and conversion
+    of the UNet, about a minute at full size): torch guards this UNet's batch on being more than 1, so the
+    batch of 1 is captured once more, to the same graph, whose converted model the cache holds."""
     webui.generate(accelerated(request("a city at night")))  # the UNet at a batch of 2, at this size
     words = ", ".join(f"(detail {i}:1.{i % 5 + 1})" if i % 3 == 0 else f"[thing {i}]" for i in range(60))
     stock, fast = run_both(webui, request(f"a city at night, {words} BREAK neon lights"))
     assert_matches(webui, "long prompt (3 chunks), emphasis, BREAK", stock, fast)
     assert fast.status["convert_seconds"] == 0, fast.status["status"]
-    assert fast.status["captures_made"] == 0, fast.status["status"]
+    assert fast.status["captures_made"] <= 1, fast.status["status"]
 
 
 def test_second_and_third_resolution_and_back_without_a_conversion(webui: WebUI) -> None:
