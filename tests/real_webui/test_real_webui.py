@@ -241,9 +241,9 @@ def test_api_script_args_followed_by_another_always_on_script(webui: WebUI) -> N
 
 
 def test_checkpoint_switch_and_back(webui: WebUI) -> None:
-    """The UNet and the VAE are converted with their weights as inputs, so the disk cache's entries of the
-    first checkpoint serve the second (a new model object here: each tiny checkpoint has its own .yaml):
-    the switch compiles them, it does not convert them."""
+    """The UNet, the VAE decoder and the text encoder are converted with their weights as inputs, so the
+    disk cache's entries of the first checkpoint serve the second (a new model object here: each tiny
+    checkpoint has its own .yaml): the switch compiles them, it does not convert them."""
     webui.generate(accelerated(request("a train in the snow, before the switch")))  # the first one's entries
     try:
         webui.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_B})
@@ -251,7 +251,7 @@ def test_checkpoint_switch_and_back(webui: WebUI) -> None:
         assert "ovtest-tiny-b" in fast.infotexts[0]
         assert_matches(webui, "checkpoint switch", stock, fast)
         dynamic = [line for line in fast.status["status"].splitlines() if ": dynamic on" in line]
-        assert len(dynamic) == 2, fast.status["status"]  # the UNet's graph and the VAE decoder's
+        assert len(dynamic) == 3, fast.status["status"]  # the UNet's graph, the VAE decoder's, the text encoder's
         assert all("cache hit" in line or "conversion reused" in line for line in dynamic), fast.status["status"]
     finally:
         webui.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A})
