@@ -18,6 +18,7 @@ call's time includes what calibration costs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -155,15 +156,16 @@ def _stock(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching:
 
 
 def mark_varying(inputs: Sequence[Any]) -> None:
-    """Mark the dimensions that vary between generations dynamic, as the WebUI adapter does: the batch
-    of every tensor, and height and width of 4-D ones (dimensions of size 1 stay static: dynamo
-    specialises them)."""
+    """Mark the dimensions that vary between generations dynamic, as the WebUI adapter does
+    (``ov_accelerate_sd.parts.VARYING_DIMS``: the batch of every tensor, a context's tokens, height and
+    width of 4-D ones; sizes of 1 too, symbolic while the call runs within
+    ``ov_backend.portable.sizes_may_be_one``)."""
+    from ov_accelerate_sd.parts import VARYING_DIMS
+    from ov_backend.portable import mark_varying as mark
+
     for tensor in inputs:
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-            continue
-        for dim in ((0, 2, 3) if tensor.dim() == 4 else (0,)):
-            if tensor.shape[dim] > 1:
-                torch._dynamo.mark_dynamic(tensor, dim)
+        if isinstance(tensor, torch.Tensor):
+            mark(tensor, VARYING_DIMS)
 
 
 def calibration_inputs(inputs: Sequence[Any], k: int) -> list[Any]:
@@ -193,17 +195,20 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
     calibrating = [spec.precision == "int8"]
 
     def call(*inputs: torch.Tensor) -> torch.Tensor:
-        if marked:
-            mark_varying(inputs)
-        if calibrating[0]:
-            calibrating[0] = False
-            for k in range(INT8_CALIBRATION_CALLS):
-                varied = calibration_inputs(inputs, k)
-                if marked:
-                    mark_varying(varied)  # the same graph as the timed calls (else dynamo traces a static one)
-                compiled(*varied)
-            backend.calibrate()  # no-op when the INT8 model came from the cache
-        return _first_tensor(compiled(*inputs))
+        from ov_backend.portable import sizes_may_be_one
+
+        with sizes_may_be_one() if marked else contextlib.nullcontext():
+            if marked:
+                mark_varying(inputs)
+            if calibrating[0]:
+                calibrating[0] = False
+                for k in range(INT8_CALIBRATION_CALLS):
+                    varied = calibration_inputs(inputs, k)
+                    if marked:
+                        mark_varying(varied)  # the same graph as the timed calls (else dynamo traces a static one)
+                    compiled(*varied)
+                backend.calibrate()  # no-op when the INT8 model came from the cache
+            return _first_tensor(compiled(*inputs))
 
     def finish() -> dict[str, Any]:
         return {"reports": [r.summary() for r in backend.reports], "stats": backend.stats(),
