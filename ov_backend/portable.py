@@ -201,8 +201,8 @@ class Capture:
 
     def matches(self, *args: Any, **kwargs: Any) -> bool:
         try:
-            scope, live = self.function.fn.__globals__, _globals_of(self.module)
-            if scope is not live:
+            scope, live = getattr(getattr(self.function, "fn", None), "__globals__", None), _globals_of(self.module)
+            if scope is not None and scope is not live:
                 scope.update({name: live[name] for name in self._global_names if name in live})
             f_locals = self.function.prepare_f_locals(*args, **kwargs)
             if not self.function._artifacts.guard_manager.check(f_locals):
