@@ -25,6 +25,10 @@ class PartitionReport:
         quantized: the model is the INT8 one (weights and activations at 8 bits, see :mod:`ov_backend.quantize`).
         quantize_seconds: time NNCF took to quantize it (0 when it came from the cache or was quantized earlier).
         calibration_samples: how many recorded calls it was calibrated on (0 when it came from the cache).
+        all_shapes: it is the model compiled with dynamic shapes that serves every input shape (see
+            ``BackendSettings.shared_shapes``); ``reused``: it was compiled for an earlier shape.
+        replaced: how many models compiled for one shape each it replaced when it was compiled (their
+            shapes run it from then on).
     """
 
     name: str
@@ -40,6 +44,8 @@ class PartitionReport:
     quantized: bool = False
     quantize_seconds: float = 0.0
     calibration_samples: int = 0
+    all_shapes: bool = False
+    replaced: int = 0
 
 
 @dataclass
@@ -120,6 +126,10 @@ class CompileReport:
              else "conversion reused") if self.partitions and all(p.reused for p in self.partitions)
             else "cache hit" if self.cache_hit else "cache miss",
         ]
+        if any(p.all_shapes for p in self.partitions):
+            replaced = sum(p.replaced for p in self.partitions)
+            parts.append("one compiled model for all shapes"
+                         + (f" (replaces {replaced} compiled for one shape each)" if replaced else ""))
         quantized = [p for p in self.partitions if p.quantized]
         if self.route == "int8":
             parts = [f"{self.graph} {self.signature}: INT8 quantization"]

@@ -38,7 +38,7 @@ from ov_backend.partitions import StaticBuild
 from ov_backend.precision import QUANTIZED_PRECISIONS
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVRunner
-from ov_backend.variants import Variant, eager_variant
+from ov_backend.variants import ALL_SHAPES_MODEL, FOR_ALL_SHAPES, FOR_ONE_SHAPE, Variant, eager_variant
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class GraphBuilder:
         #: why this graph's dynamic conversion failed or cannot work (a property of the graph: never tried again)
         self._dynamic_failed: str | None = None
         self._failure_looked_up = False
+        #: why OpenVINO could not compile this graph's model for all shapes (then it compiles per shape)
+        self._sharing_failed: str | None = None
         min_max = convert.symbolic_min_max(inputs.gm) if inputs.dynamic_dims is not None else []
         if min_max:
             self._dynamic_failed = f"symbolic max/min of sizes ({', '.join(min_max[:3])}): no OpenVINO rule"
@@ -202,6 +204,10 @@ class GraphBuilder:
             quantized = self._int8_model(variants, None, int8_key, part)
             if quantized is not None:
                 base = quantized
+        if int8_key is None and self._shares_shapes(sig, variants):
+            variant = self._for_all_shapes(base, variants, part, report)
+            if variant is not None:
+                return variant
         model = base.clone()
         model.reshape({i: ov.PartialShape(list(s[0])) for i, s in enumerate(sig)})
         try:
@@ -215,10 +221,64 @@ class GraphBuilder:
         report.partitions.append(part)
         runner = OVRunner(compiled, self.inputs.output_dtypes())
         logger.info("OpenVINO compiled %s", report.summary())
-        variant = Variant(lambda user: tuple(runner(user)), in_openvino=True, releasable=True)
+        variant = self._running(runner, FOR_ONE_SHAPE)
         if int8_key is not None and not part.quantized:
             variant = self._recording(variant, variants, None, base, int8_key, report, list)
         return variant
+
+    def _shares_shapes(self, sig: tuple[Any, ...], variants: dict[Any, Any]) -> bool:
+        """Whether ``sig`` runs the weights set's model for all shapes (``BackendSettings.shared_shapes``):
+        it exists already, or "always", or under "auto" on the CPU a model compiled for another shape is
+        still held (the caller released those no call used in the current use window)."""
+        mode = self.context.settings.shared_shapes
+        if mode == "never" or self._sharing_failed:
+            return False
+        if mode == "always" or ALL_SHAPES_MODEL in variants:
+            return True
+        return self.context.settings.device == "CPU" and any(
+            isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE and key != sig for key, v in variants.items())
+
+    def _for_all_shapes(self, base: ov.Model, variants: dict[Any, Any], part: PartitionReport,
+                        report: CompileReport) -> Variant | None:
+        """A variant that runs the model compiled with dynamic shapes, compiling it on first use; the
+        models compiled per shape for these weights go then, their shapes run it too (no build when
+        they come back). None if OpenVINO cannot compile it (remembered: this graph compiles per shape
+        from then on)."""
+        runner = variants.get(ALL_SHAPES_MODEL)
+        if runner is None:
+            try:
+                compiled = self.context.compile(base, part)
+            except RuntimeError as err:
+                self._sharing_failed = str(err)
+                report.warnings.append(f"compile for all shapes failed: {err}")
+                logger.warning("%s: OpenVINO could not compile the model with dynamic shapes (%s); compiling "
+                               "it for each shape instead", self.name, err)
+                return None
+            runner = variants[ALL_SHAPES_MODEL] = OVRunner(compiled, self.inputs.output_dtypes())
+            per_shape = [key for key, v in variants.items()
+                         if isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE]
+            for key in per_shape:
+                variants[key] = self._running(runner, FOR_ALL_SHAPES)
+            part.replaced = len(per_shape)
+            if per_shape:
+                gc.collect()
+                logger.info("%s: one model compiled for all shapes replaces %d compiled for one shape each",
+                            self.name, len(per_shape))
+        else:
+            part.reused = True
+        part.all_shapes = True
+        report.route = "dynamic"
+        report.partitions.append(part)
+        logger.info("OpenVINO %s %s", "compiled" if part.compile_seconds else "reused", report.summary())
+        return self._running(runner, FOR_ALL_SHAPES)
+
+    @staticmethod
+    def _running(runner: OVRunner, compiled_for: str) -> Variant:
+        """A signature's variant on the dynamic route that runs ``runner``: its own model
+        (:data:`FOR_ONE_SHAPE`) or the weights set's model for all shapes (:data:`FOR_ALL_SHAPES`, which
+        goes with the last variant running it). Released with the window rules either way."""
+        return Variant(lambda user: tuple(runner(user)), in_openvino=True, releasable=True,
+                       compiled_for=compiled_for)
 
     def _convert_dynamic(self, user_values: Sequence[Any], weight_values: Sequence[torch.Tensor],
                          dims: Sequence[Sequence[int]], weight_free: bool, key: str,

@@ -35,6 +35,8 @@ DEFAULT_MIN_PARTITION_OPS = 1
 #: At precision "int8": calls recorded at float before a graph is quantized (each costs about one call of
 #: the float model again while NNCF gathers statistics).
 DEFAULT_CALIBRATION_SAMPLES = 8
+#: See BackendSettings.shared_shapes.
+SHARED_SHAPES: tuple[str, ...] = ("auto", "always", "never")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -67,6 +69,18 @@ class BackendSettings:
             ``getitem`` and size arithmetic are not counted. 1 sends every partition to OpenVINO.
         calibration_samples: at ``precision="int8"``, how many calls of a graph run at float and are
             recorded before it is quantized (fewer if the owner calls ``OVBackend.calibrate()`` first).
+        shared_shapes: on the dynamic route (a graph converted once for every shape), whether one model
+            compiled with dynamic shapes serves every shape instead of one model compiled per shape.
+            A compiled model holds its own copy of the weights in the device's layout (a full SD 1.5
+            UNet at bf16: 1.7 GB), so one per shape costs that much per shape held; one for all shapes
+            never compiles again for a new shape, and on the CPU costs at most a few percent per call
+            (``bench/results/bench-shared-*``: none measurable for SD 1.5's UNet and VAE decoder).
+            "auto": on the CPU at float precisions, per shape until a graph needs a second shape while
+            the first one's model is still in use (in the current use window, or at all when windows
+            are off), then one for all shapes, until the calls of a use window no longer need it;
+            "always"; "never". Under "auto", devices other than the CPU compile per shape
+            (GPU plugins compile dynamic shapes slowly, NPUs need static ones). INT8 models are always
+            compiled per shape.
     """
 
     device: str = "CPU"
@@ -80,6 +94,7 @@ class BackendSettings:
     strict: bool = False
     min_partition_ops: int = DEFAULT_MIN_PARTITION_OPS
     calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
+    shared_shapes: str = "auto"
 
     @property
     def config_dict(self) -> dict[str, str]:
@@ -116,6 +131,12 @@ def _as_count(name: str, value: Any, minimum: int, meaning: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"option {name!r} must be a whole number >= {minimum} ({meaning}), got {value!r}")
     return value
+
+
+def _as_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    raise ValueError(f"option {name!r} must be one of {list(choices)}, got {value!r}")
 
 
 def _env_defaults() -> dict[str, Any]:
@@ -232,6 +253,7 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
                                       merged.get("calibration_samples", DEFAULT_CALIBRATION_SAMPLES), minimum=1,
                                       meaning="calls recorded at float before an INT8 model is quantized"),
         strict=_as_bool("strict", merged.get("strict", False)),
+        shared_shapes=_as_choice("shared_shapes", merged.get("shared_shapes", "auto"), SHARED_SHAPES),
         min_partition_ops=_as_count("min_partition_ops", merged.get("min_partition_ops", DEFAULT_MIN_PARTITION_OPS),
                                     minimum=1, meaning="partitions with fewer aten ops run in PyTorch; "
                                                        "1 sends every partition to OpenVINO"),

@@ -24,6 +24,13 @@ logger = logging.getLogger(__name__)
 
 #: How many sets of weights (e.g. LoRA combinations) keep compiled models in memory per graph.
 MAX_WEIGHT_VARIANTS = 2
+#: the key, in a weights set's variants, of the model compiled with dynamic shapes that serves every
+#: signature (see ``BackendSettings.shared_shapes``); its variants are :data:`FOR_ALL_SHAPES`
+ALL_SHAPES_MODEL = "__compiled_for_all_shapes__"
+#: ``Variant.compiled_for`` of a model compiled for its signature from the graph's dynamic conversion
+FOR_ONE_SHAPE = "one shape"
+#: ``Variant.compiled_for`` of a variant that runs the weights set's :data:`ALL_SHAPES_MODEL`
+FOR_ALL_SHAPES = "all shapes"
 
 
 class UseWindow:
@@ -60,14 +67,16 @@ class Variant:
             when it is needed again (see :class:`UseWindow`).
         calibration: at precision "int8": the recording its calls add to (they run at float until the
             graph is quantized); None otherwise.
+        compiled_for: :data:`FOR_ONE_SHAPE` or :data:`FOR_ALL_SHAPES` on the dynamic route, else None.
     """
 
     def __init__(self, run: Callable[[Sequence[Any]], Any], in_openvino: bool, releasable: bool = False,
-                 calibration: Any = None) -> None:
+                 calibration: Any = None, compiled_for: str | None = None) -> None:
         self.run = run
         self.in_openvino = in_openvino
         self.releasable = releasable
         self.calibration = calibration
+        self.compiled_for = compiled_for
 
 
 def eager_variant(inputs: GraphInputs, weight_values: Sequence[torch.Tensor]) -> Variant:
@@ -144,6 +153,13 @@ class WeightVariants:
             variant = found.get(sig) if found is not None else None
             if isinstance(variant, Variant) and variant.releasable:
                 del found[sig]
+                # a variant of the model for all shapes holds none of its own: counted when that goes
+                dropped += variant.compiled_for != FOR_ALL_SHAPES
+        for found in self._by_weights.values():
+            # the model for all shapes goes with the last variant that ran it
+            if ALL_SHAPES_MODEL in found and not any(
+                    isinstance(v, Variant) and v.compiled_for == FOR_ALL_SHAPES for v in found.values()):
+                del found[ALL_SHAPES_MODEL]
                 dropped += 1
         for fp, found in list(self._by_weights.items()):
             if fp != self._fingerprint and not any(isinstance(v, Variant) for v in found.values()):

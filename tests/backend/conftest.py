@@ -19,9 +19,15 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+def f32_backend(tmp_path, **options) -> OVBackend:
+    """A backend at f32 with its cache under ``tmp_path``, and any other ``options``."""
+    return OVBackend({"config": {"INFERENCE_PRECISION_HINT": "f32"}, "cache_dir": str(tmp_path / "cache"),
+                      **options})
+
+
 @pytest.fixture
 def backend(tmp_path) -> OVBackend:
-    return OVBackend({"config": {"INFERENCE_PRECISION_HINT": "f32"}, "cache_dir": str(tmp_path / "cache")})
+    return f32_backend(tmp_path)
 
 
 def small_cnn(seed: int = 0) -> torch.nn.Module:

@@ -8,10 +8,11 @@ import openvino.opset13 as ops
 import pytest
 import torch
 
+from ov_backend import OVBackend
 from ov_backend.live import LiveModel
 from ov_backend.weights import digests
 
-from .conftest import F32_ATOL, F32_RTOL
+from .conftest import F32_ATOL, F32_RTOL, f32_backend
 
 
 class Block(torch.nn.Module):
@@ -151,7 +152,14 @@ def test_any_weight_change_gives_the_new_weights(backend, change):
     assert not torch.allclose(before, after)
 
 
-def test_a_use_window_releases_what_it_did_not_call(backend):
+@pytest.fixture
+def per_shape(tmp_path) -> OVBackend:
+    """A backend that compiles one model per shape (see test_shared_shapes for the shared model)."""
+    return f32_backend(tmp_path, shared_shapes="never")
+
+
+def test_a_use_window_releases_what_it_did_not_call(per_shape):
+    backend = per_shape
     model = Block().eval()
     compiled = torch.compile(model, backend=backend)
     backend.start_window()
@@ -170,7 +178,8 @@ def test_a_use_window_releases_what_it_did_not_call(backend):
     assert backend.stats()["released"] == 3  # 8x8 and 16x8, unused in this window
 
 
-def test_without_windows_nothing_is_released(backend):
+def test_without_windows_nothing_is_released(per_shape):
+    backend = per_shape
     model = Block().eval()
     compiled = torch.compile(model, backend=backend)
     for height in (8, 12, 16, 8, 12):
