@@ -33,8 +33,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 #: "ov_dynamic" is ov_backend with the inputs' varying dimensions marked dynamic before the first call,
-#: as the WebUI adapter does: the route the WebUI's parts take (one conversion, a reshape per size)
-KINDS: tuple[str, ...] = ("eager", "ov_backend", "ov_dynamic", "static", "stock")
+#: as the WebUI adapter does: the route the WebUI's parts take (one conversion, a reshape and compile per
+#: size); "ov_shared" is ov_dynamic with one model compiled with dynamic shapes for every size (the
+#: backend's ``shared_shapes="always"``; under "auto" a part takes it when it needs two sizes at once)
+KINDS: tuple[str, ...] = ("eager", "ov_backend", "ov_dynamic", "ov_shared", "static", "stock")
+#: kinds run by ov_backend
+BACKEND_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic", "ov_shared"})
 PRECISIONS: tuple[str, ...] = ("auto", "f32", "int8")
 #: kinds that run at "int8"
 INT8_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic"})
@@ -43,7 +47,7 @@ INT8_CALIBRATION_CALLS = 4
 #: oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) without bf16 kernels
 NO_BF16_ISA_CAPS = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"})
 #: kinds whose compiled models can come from a disk cache in a later process
-CACHEABLE: frozenset[str] = frozenset({"ov_backend", "ov_dynamic", "stock"})
+CACHEABLE: frozenset[str] = BACKEND_KINDS | {"stock"}
 
 
 @dataclass(frozen=True)
@@ -189,9 +193,11 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
                                "config": spec.config}
     if spec.precision == "int8":
         options.update(precision="int8", calibration_samples=INT8_CALIBRATION_CALLS)
+    # one shape per run: "auto" compiles ov_dynamic per shape, as a generation at one size does
+    options["shared_shapes"] = "always" if spec.kind == "ov_shared" else "auto"
     backend = OVBackend(options)
     compiled = torch.compile(module, backend=backend, dynamic=dynamic)
-    marked = spec.kind == "ov_dynamic"
+    marked = spec.kind in ("ov_dynamic", "ov_shared")
     calibrating = [spec.precision == "int8"]
 
     def call(*inputs: torch.Tensor) -> torch.Tensor:
@@ -262,6 +268,6 @@ def prepare(spec: VariantSpec, module: torch.nn.Module, inputs: Sequence[torch.T
         return _eager(module)
     if spec.kind == "stock":
         return _stock(module, spec, cache_dir, caching)
-    if spec.kind in ("ov_backend", "ov_dynamic"):
+    if spec.kind in BACKEND_KINDS:
         return _ov_backend(module, spec, cache_dir, caching, dynamic)
     return _static(module, spec, inputs)

@@ -83,7 +83,7 @@ def test_quick_dynamic_variant_takes_the_webuis_route(tmp_path):
     """ov_dynamic marks batch, height and width dynamic before the first call, as the WebUI adapter does:
     its UNet is converted once with dynamic shapes (the "dynamic" route), and matches ov_backend's result."""
     results, table = _run(tmp_path, "--components", "unet", "--only", "components", "--variants", "eager",
-                          "ov_backend/f32", "ov_dynamic/f32", "static/f32")
+                          "ov_backend/f32", "ov_dynamic/f32", "ov_shared/f32", "static/f32")
     variants = results["components"]["unet"]["variants"]
     dynamic = variants["ov_dynamic/f32"]
     assert dynamic["errors"] == [] and dynamic["finite"] is True
@@ -91,6 +91,12 @@ def test_quick_dynamic_variant_takes_the_webuis_route(tmp_path):
     assert not any(": dynamic on CPU" in r for r in variants["ov_backend/f32"]["info"]["reports"])
     assert dynamic["rel_l2_vs_eager"] < 1e-4
     assert "| ov_dynamic/f32 |" in table
+    # ov_shared: the same route with one model compiled with dynamic shapes (ov_dynamic's is per shape)
+    shared = variants["ov_shared/f32"]
+    assert shared["errors"] == [] and shared["rel_l2_vs_eager"] < 1e-4
+    assert all("one compiled model for all shapes" in r for r in shared["info"]["reports"]), shared["info"]
+    assert not any("one compiled model for all shapes" in r for r in dynamic["info"]["reports"])
+    assert "| ov_shared/f32 |" in table
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nncf") is None, reason="nncf is not installed")
