@@ -215,8 +215,8 @@ class Extension:
         if not ready:
             return "No size compiled yet for this checkpoint."
         lines = [f"{label}: {', '.join(s.label() for s in sizes)}" for label, sizes in sorted(ready.items())]
-        lines.append("(Converted. The sizes of the last generation stay compiled in memory; another costs a compile, "
-                     "no conversion.)")
+        lines.append("(Converted. The sizes of the last generation stay compiled in memory; another costs at most "
+                     "a compile, no conversion.)")
         return "\n".join(lines)
 
     # --- disk cache ------------------------------------------------------------------------------

@@ -205,6 +205,8 @@ def test_long_prompt_with_emphasis_and_break(webui: WebUI) -> None:
     assert_matches(webui, "long prompt (3 chunks), emphasis, BREAK", stock, fast)
     assert fast.status["convert_seconds"] == 0, fast.status["status"]
     assert fast.status["captures_made"] <= 1, fast.status["status"]
+    # its two calls per step, one per length, run one UNet compiled for all shapes (one copy of the weights)
+    assert "one compiled model for all shapes" in fast.status["status"], fast.status["status"]
 
 
 def test_second_and_third_resolution_and_back_without_a_conversion(webui: WebUI) -> None:
@@ -222,13 +224,19 @@ def test_second_and_third_resolution_and_back_without_a_conversion(webui: WebUI)
 
 def test_keep_every_size_option_makes_a_return_free_of_compiles(webui: WebUI) -> None:
     """The Settings tab's "keep every compiled size" (here through the options API): a size seen
-    before never compiles again."""
+    before never compiles again; on the CPU one model compiled for all sizes serves them from the
+    second size on (not one copy of the weights per size)."""
     webui.call("/sdapi/v1/options", {"openvino_keep_all_sizes": True})
+    statuses = []
     try:
         for i, (width, height) in enumerate([(64, 96), (96, 96), (64, 96)]):
             stock, fast = run_both(webui, request(f"a forest path, view {i}", width=width, height=height))
             assert_matches(webui, f"{width}x{height} (all sizes kept)" + (" (again)" if i == 2 else ""), stock, fast)
             assert fast.status["released"] == 0, fast.status["status"]
+            statuses.append(fast.status["status"])
+        # the size before (an earlier test's, still held) or the first one here is replaced by the model
+        # for all shapes when the next size comes
+        assert any("one compiled model for all shapes (replaces" in s for s in statuses[:2]), statuses
     finally:
         webui.call("/sdapi/v1/options", {"openvino_keep_all_sizes": False})
     assert fast.status["compiles"] == 0, fast.status["status"]  # a size seen before never recompiles
