@@ -33,6 +33,7 @@ EXTENSION_NAME = "sd-webui-openvino-accelerate"
 SCRIPT_NAME = "accelerate with openvino"
 CHECKPOINT_A = "ovtest-tiny-a.safetensors"
 CHECKPOINT_B = "ovtest-tiny-b.safetensors"
+STARTED = "Startup time:"  # what webui.py prints once its API and callbacks are in place
 LAUNCH_FLAGS = [
     "--skip-torch-cuda-test",
     "--use-cpu",
@@ -159,6 +160,7 @@ class WebUI:
             TRANSFORMERS_OFFLINE="1",
             DO_NOT_TRACK="1",
             GRADIO_ANALYTICS_ENABLED="False",
+            PYTHONUNBUFFERED="1",  # start() reads the log while the WebUI runs
         )
         return env
 
@@ -183,16 +185,25 @@ class WebUI:
                 cmd, cwd=self.webui, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         t0 = time.time()
+        # No request before the WebUI says it has started: its server answers while webui.py still adds
+        # the API's middleware, and a request in that window makes starlette refuse it ("Cannot add
+        # middleware after an application has started"), which kills the WebUI.
+        while STARTED not in self.log_text():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the WebUI exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.time() - t0 > timeout:
+                raise RuntimeError(f"the WebUI did not start in {timeout} s:\n{self.log_tail()}")
+            time.sleep(1)
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the WebUI exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:  # the page answers before the API routes exist (404 until then)
+            try:
                 with urllib.request.urlopen(self.url + "/sdapi/v1/sd-models", timeout=10):
                     break
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 if time.time() - t0 > timeout:
                     raise RuntimeError(f"the WebUI did not answer in {timeout} s:\n{self.log_tail()}") from None
-                time.sleep(2)
+                time.sleep(1)
 
     def stop(self) -> None:
         if self.process is None:
