@@ -193,6 +193,17 @@ class Scenario:
         self.current = index
         return time.time() - t0
 
+    def forget_conditioning(self) -> None:
+        """An untimed tiny stock request with a prompt no row uses.
+
+        A1111 keeps the last request's conditioning and reuses it for the same prompt and checkpoint: without
+        this, a mode's first request repeats the previous mode's last one (in a run of a few rows) and the
+        text encoder is skipped there, so its first build would land in a later row.
+        """
+        self.ui.generate({"prompt": "an untimed request between modes", "seed": 1, "steps": 1, "width": 64,
+                          "height": 64, "sampler_name": "Euler", "batch_size": 1, "n_iter": 1, "save_images": False,
+                          "send_images": False})
+
     def run_row(self, row: Row, mode: str, process: int) -> bool:
         """One request; False when the WebUI is gone (the rest of the run cannot be measured)."""
         width, height = self.config.sizes[row.size]
@@ -247,6 +258,8 @@ class Scenario:
         chosen = self.config.rows
         alive = True
         for mode in ("stock", *self.config.precisions):
+            if mode != "stock":
+                self.forget_conditioning()
             for row in ROWS:
                 if not chosen or row.key in chosen:
                     alive = alive and self.run_row(row, mode, 1)
