@@ -1,0 +1,173 @@
+"""Where an INT8 model's time goes against the float one: ``python -m bench.int8_profile``.
+
+Converts the component once (``ov.convert_model``, static shapes: per call as fast as the backend's
+graph, see ``bench.compare``), quantizes it with the backend's own NNCF settings
+(``ov_backend.quantize.quantize``) on ``--samples`` varied copies of the example inputs
+(``bench.variants.calibration_inputs``, as the ``int8`` bench variant does), compiles both at the
+device's automatic precision with the plugin's per-node counters, times them interleaved, and lists
+the plugin's time per node type.
+
+It also splits out the attention (the nodes of ``scaled_dot_product_attention``: the CPU plugin fuses
+each into one subgraph, or runs its matmuls and softmax apart): a softmax over tokens x tokens that
+8-bit arithmetic barely speeds up. Its share of the float call bounds what INT8 can give for the whole
+call: the report prints the speed-up the call would have if everything else ran twice as fast (the
+peak gain of 8-bit over 16-bit dot products) and the attention as fast as it does at INT8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import openvino as ov
+import torch
+
+from bench import models
+from bench.report import machine
+from bench.variants import calibration_inputs
+
+logger = logging.getLogger("bench.int8_profile")
+
+ATTENTION_MARK = "scaled_dot_product_attention"
+
+
+def node_times(request: ov.InferRequest) -> list[tuple[str, str, float]]:
+    """(node type with its kernel, node name, milliseconds) of each executed node of the last inference."""
+    return [(f"{i.node_type} ({i.exec_type})", i.node_name, i.real_time.total_seconds() * 1e3)
+            for i in request.profiling_info if i.status == i.Status.EXECUTED]
+
+
+def split(nodes: list[tuple[str, str, float]]) -> tuple[dict[str, float], float]:
+    """Milliseconds per node type, and the attention's milliseconds."""
+    by_type: dict[str, float] = collections.defaultdict(float)
+    attention = 0.0
+    for kind, name, ms in nodes:
+        by_type[kind] += ms
+        if ATTENTION_MARK in name or kind.startswith(("ScaledDotProductAttention", "Softmax")):
+            attention += ms
+    return dict(by_type), attention
+
+
+def profile(component: str, quick: bool, size: int, samples: int, rounds: int, work: Path) -> dict[str, Any]:
+    from ov_backend.quantize import quantize
+
+    module = models.load_module(component, quick, models.ensure_weights(component, quick, work / "weights"))
+    inputs = models.example_inputs(component, quick, size)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model = ov.convert_model(module, example_input=tuple(inputs))
+    convert_s = time.perf_counter() - start
+    del module
+    calibration = [[t.numpy() if isinstance(t, torch.Tensor) else t for t in calibration_inputs(inputs, k)]
+                   for k in range(samples)]
+    start = time.perf_counter()
+    quantized = quantize(model, calibration)
+    quantize_s = time.perf_counter() - start
+    logger.info("converted in %.1f s, quantized on %d samples in %.1f s", convert_s, samples, quantize_s)
+
+    core = ov.Core()
+    arrays = [t.numpy() for t in inputs]
+    requests = {name: core.compile_model(m, "CPU", {"PERF_COUNT": True}).create_infer_request()
+                for name, m in (("float", model), ("int8", quantized))}
+    del model, quantized
+    for request in requests.values():  # warm-up: the plugin lays out the weights on the first inference
+        request.infer(arrays)
+    times: dict[str, list[float]] = {name: [] for name in requests}
+    nodes: dict[str, list[tuple[str, str, float]]] = {}
+    for round_index in range(rounds):
+        order = list(requests) if round_index % 2 == 0 else list(reversed(requests))
+        for name in order:
+            start = time.perf_counter()
+            requests[name].infer(arrays)
+            times[name].append(time.perf_counter() - start)
+            nodes[name] = node_times(requests[name])
+    result: dict[str, Any] = {"component": component, "quick": quick, "size": size, "samples": samples,
+                              "rounds": rounds, "convert_seconds": convert_s, "quantize_seconds": quantize_s,
+                              "times": times, "machine": machine(),
+                              "device": core.get_property("CPU", "FULL_DEVICE_NAME")}
+    for name in requests:
+        by_type, attention = split(nodes[name])
+        result[name] = {"median_s": statistics.median(times[name]), "profiled_ms": sum(by_type.values()),
+                        "attention_ms": attention, "by_type_ms": by_type}
+    f, q = result["float"], result["int8"]
+    result["speedup"] = f["median_s"] / q["median_s"]
+    rest_ms = f["profiled_ms"] - f["attention_ms"]
+    # the whole call if every node outside the attention ran twice as fast and the attention as at INT8
+    result["bound_if_rest_2x"] = f["profiled_ms"] / (q["attention_ms"] + rest_ms / 2) if rest_ms > 0 else None
+    return result
+
+
+def markdown(result: dict[str, Any], command: str, top: int = 25) -> str:
+    m = result["machine"]
+    f, q = result["float"], result["int8"]
+    lines = [
+        f"# INT8 against float, per node type: {result['component']}",
+        "",
+        f"Machine: {m.get('Model name', '?')}, {m.get('cpus')} CPUs, {m.get('memory_gib')} GiB; "
+        f"{m.get('Flags', '')}; OpenVINO CPU \"{result['device']}\"; openvino {m['versions']['openvino']}, "
+        f"torch {m['versions']['torch']}; commit {m.get('git_commit', '?')}.",
+        "",
+        f"Command: `{command}`. Model converted statically ({result['convert_seconds']:.1f} s), quantized "
+        f"with the backend's NNCF settings on {result['samples']} varied copies of the inputs "
+        f"({result['quantize_seconds']:.1f} s); both compiled at the CPU's automatic precision, "
+        f"{result['rounds']} interleaved calls each, size {result['size']}.",
+        "",
+        "| | float (auto) | INT8 |",
+        "|---|---|---|",
+        f"| median s/call | {f['median_s']:.3f} | {q['median_s']:.3f} ({result['speedup']:.2f}x) |",
+        f"| plugin's profiled ms | {f['profiled_ms']:.1f} | {q['profiled_ms']:.1f} |",
+        f"| of it attention ms (share) | {f['attention_ms']:.1f} ({f['attention_ms'] / f['profiled_ms']:.0%}) | "
+        f"{q['attention_ms']:.1f} ({q['attention_ms'] / q['profiled_ms']:.0%}) |",
+        f"| of it the rest ms | {f['profiled_ms'] - f['attention_ms']:.1f} | "
+        f"{q['profiled_ms'] - q['attention_ms']:.1f} "
+        f"({(f['profiled_ms'] - f['attention_ms']) / max(q['profiled_ms'] - q['attention_ms'], 1e-9):.2f}x) |",
+        "",
+    ]
+    if result["bound_if_rest_2x"] is not None:
+        lines += [f"If every node outside the attention ran twice as fast at INT8 as at float, and the attention "
+                  f"as it does at INT8, the call would be {result['bound_if_rest_2x']:.2f}x the float one.", ""]
+    keys = sorted(set(f["by_type_ms"]) | set(q["by_type_ms"]),
+                  key=lambda k: -max(f["by_type_ms"].get(k, 0.0), q["by_type_ms"].get(k, 0.0)))
+    lines += ["| node type (kernel) | float ms | INT8 ms |", "|---|---|---|"]
+    for key in keys[:top]:
+        lines.append(f"| {key} | {f['by_type_ms'].get(key, 0.0):.1f} | {q['by_type_ms'].get(key, 0.0):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m bench.int8_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--component", default="unet", choices=models.COMPONENT_NAMES)
+    p.add_argument("--quick", action="store_true", help="small model")
+    p.add_argument("--size", type=int, default=None, help="image size in pixels (default 512; quick 64)")
+    p.add_argument("--samples", type=int, default=4, help="calibration samples (default 4)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--work-dir", required=True, help="weights (kept for the next run)")
+    p.add_argument("--out", required=True, help="writes <name>.md and <name>.json here")
+    p.add_argument("--name", default="int8-profile")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.samples < 1 or args.rounds < 1:
+        p.error("--samples and --rounds must be at least 1")
+    size = args.size or (64 if args.quick else 512)
+    result = profile(args.component, args.quick, size, args.samples, args.rounds, Path(args.work_dir))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m bench.int8_profile " + " ".join(argv)
+    (out / f"{args.name}.md").write_text(markdown(result, command), encoding="utf-8")
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    logger.info("wrote %s.md and .json", out / args.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
