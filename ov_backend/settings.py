@@ -73,8 +73,9 @@ class BackendSettings:
             compiled with dynamic shapes serves every shape instead of one model compiled per shape.
             A compiled model holds its own copy of the weights in the device's layout (a full SD 1.5
             UNet at bf16: 1.7 GB), so one per shape costs that much per shape held; one for all shapes
-            never compiles again for a new shape, and on the CPU costs at most a few percent per call
-            (``bench/results/bench-shared-*``: none measurable for SD 1.5's UNet and VAE decoder).
+            never compiles again for a new shape, and on the CPU may cost more per call
+            (``bench/results/bench-shared-*``, SD 1.5's UNet and VAE decoder: nothing measurable on an
+            AMD EPYC Zen 4; on an Intel Xeon with AMX 12% and 4% slower than per shape).
             "auto": on the CPU at float precisions, per shape until a graph needs a second shape while
             the first one's model is still in use (in the current use window, or at all when windows
             are off), then one for all shapes, until the calls of a use window no longer need it;
