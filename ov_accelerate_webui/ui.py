@@ -55,8 +55,8 @@ EXTRA_CONTROLS: dict[str, tuple[str, str]] = {
 KEEP_SIZES_OPTION = OPTION_PREFIX + "keep_all_sizes"
 KEEP_SIZES_LABEL = (
     "Keep every compiled size in memory (a size seen before never compiles again). On the CPU one model "
-    "compiled for all sizes serves them (up to about a tenth slower per step); on other devices each size holds "
-    "its own copy of the weights: about 1.7 GB for an SD 1.5 UNet at bf16. Off: the sizes of the last "
+    "compiled for all sizes serves them (up to about 12% slower per step where measured); on other devices "
+    "each size holds its own copy of the weights: about 1.7 GB for an SD 1.5 UNet at bf16. Off: the sizes of the last "
     "generation stay compiled, another costs at most a compile of seconds, never a conversion."
 )
 
