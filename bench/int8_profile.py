@@ -17,7 +17,6 @@ peak gain of 8-bit over 16-bit dot products) and the attention as fast as it doe
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import logging
 import statistics
@@ -31,6 +30,7 @@ import openvino as ov
 import torch
 
 from bench import models
+from bench.compare import perf_by_type
 from bench.report import machine
 from bench.variants import calibration_inputs
 
@@ -39,21 +39,11 @@ logger = logging.getLogger("bench.int8_profile")
 ATTENTION_MARK = "scaled_dot_product_attention"
 
 
-def node_times(request: ov.InferRequest) -> list[tuple[str, str, float]]:
-    """(node type with its kernel, node name, milliseconds) of each executed node of the last inference."""
-    return [(f"{i.node_type} ({i.exec_type})", i.node_name, i.real_time.total_seconds() * 1e3)
-            for i in request.profiling_info if i.status == i.Status.EXECUTED]
-
-
-def split(nodes: list[tuple[str, str, float]]) -> tuple[dict[str, float], float]:
-    """Milliseconds per node type, and the attention's milliseconds."""
-    by_type: dict[str, float] = collections.defaultdict(float)
-    attention = 0.0
-    for kind, name, ms in nodes:
-        by_type[kind] += ms
-        if ATTENTION_MARK in name or kind.startswith(("ScaledDotProductAttention", "Softmax")):
-            attention += ms
-    return dict(by_type), attention
+def attention_ms(request: ov.InferRequest) -> float:
+    """Milliseconds of the last inference spent in the attention's nodes (needs ``PERF_COUNT``)."""
+    return sum(i.real_time.total_seconds() * 1e3 for i in request.profiling_info
+               if i.status == i.Status.EXECUTED
+               and (ATTENTION_MARK in i.node_name or i.node_type in ("ScaledDotProductAttention", "Softmax")))
 
 
 def profile(component: str, quick: bool, size: int, samples: int, rounds: int, work: Path) -> dict[str, Any]:
@@ -81,20 +71,20 @@ def profile(component: str, quick: bool, size: int, samples: int, rounds: int, w
     for request in requests.values():  # warm-up: the plugin lays out the weights on the first inference
         request.infer(arrays)
     times: dict[str, list[float]] = {name: [] for name in requests}
-    nodes: dict[str, list[tuple[str, str, float]]] = {}
+    profiled: dict[str, tuple[dict[str, float], float]] = {}
     for round_index in range(rounds):
         order = list(requests) if round_index % 2 == 0 else list(reversed(requests))
         for name in order:
             start = time.perf_counter()
             requests[name].infer(arrays)
             times[name].append(time.perf_counter() - start)
-            nodes[name] = node_times(requests[name])
+            profiled[name] = perf_by_type(requests[name]), attention_ms(requests[name])
     result: dict[str, Any] = {"component": component, "quick": quick, "size": size, "samples": samples,
                               "rounds": rounds, "convert_seconds": convert_s, "quantize_seconds": quantize_s,
                               "times": times, "machine": machine(),
                               "device": core.get_property("CPU", "FULL_DEVICE_NAME")}
     for name in requests:
-        by_type, attention = split(nodes[name])
+        by_type, attention = profiled[name]
         result[name] = {"median_s": statistics.median(times[name]), "profiled_ms": sum(by_type.values()),
                         "attention_ms": attention, "by_type_ms": by_type}
     f, q = result["float"], result["int8"]
