@@ -31,7 +31,7 @@ import torch
 
 from bench import models
 from bench.compare import perf_by_type
-from bench.report import machine
+from bench.report import isa_cap_note, machine
 from bench.variants import calibration_inputs
 
 logger = logging.getLogger("bench.int8_profile")
@@ -103,7 +103,7 @@ def markdown(result: dict[str, Any], command: str, top: int = 25) -> str:
         "",
         f"Machine: {m.get('Model name', '?')}, {m.get('cpus')} CPUs, {m.get('memory_gib')} GiB; "
         f"{m.get('Flags', '')}; OpenVINO CPU \"{result['device']}\"; openvino {m['versions']['openvino']}, "
-        f"torch {m['versions']['torch']}; commit {m.get('git_commit', '?')}.",
+        f"torch {m['versions']['torch']}; commit {m.get('git_commit', '?')}.{isa_cap_note(m)}",
         "",
         f"Command: `{command}`. Model converted statically ({result['convert_seconds']:.1f} s), quantized "
         f"with the backend's NNCF settings on {result['samples']} varied copies of the inputs "

@@ -57,9 +57,21 @@ def machine() -> dict[str, Any]:
     import torch
     import transformers
 
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    if cap:  # oneDNN (and OpenVINO's CPU plugin with it) runs only kernels up to this ISA: an emulation
+        info["onednn_isa_cap"] = cap.upper()
     info["versions"] = {"torch": torch.__version__, "openvino": openvino.get_version(),
                         "diffusers": diffusers.__version__, "transformers": transformers.__version__}
     return info
+
+
+def isa_cap_note(info: dict[str, Any]) -> str:
+    """ " oneDNN capped at AVX2 (...)" when the run emulated an older CPU's kernels, else ""."""
+    cap = info.get("onednn_isa_cap")
+    if not cap:
+        return ""
+    return (f" oneDNN capped at {cap} (ONEDNN_MAX_CPU_ISA={cap}): OpenVINO's CPU plugin ran only kernels up to "
+            f"{cap} on this CPU, an emulation of such a CPU's kernels, not such a CPU.")
 
 
 def _stats(times: list[float]) -> dict[str, float] | None:
@@ -233,7 +245,8 @@ def markdown(results: dict[str, Any]) -> str:
              f"Machine: {m.get('Model name', '?')}, {m.get('cpus')} CPUs "
              f"({m.get('Core(s) per socket', '?')} cores per socket x {m.get('Socket(s)', '?')} socket, "
              f"{m.get('Thread(s) per core', '?')} thread per core), {m.get('memory_gib', '?')} GiB; "
-             f"{m.get('Flags', '')}; " + ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items()) + ".", "",
+             f"{m.get('Flags', '')}; " + ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items()) + "."
+             + isa_cap_note(m), "",
              f"Command: `{results['command']}` ({results['wall_seconds'] / 60:.1f} min), "
              f"at commit {m.get('git_commit', '?')}.", "",
              "Per-call times are medians of the interleaved rounds (min and max beside); ratios are speed "

@@ -1,0 +1,22 @@
+"""The machine line of every bench report says when oneDNN's kernels were capped to emulate an older CPU
+(``ONEDNN_MAX_CPU_ISA``), so that an emulated figure is never read as the CPU's own."""
+
+from __future__ import annotations
+
+from bench.report import isa_cap_note, machine
+
+
+def test_an_isa_cap_is_recorded_and_named(monkeypatch):
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    info = machine()
+    assert info["onednn_isa_cap"] == "AVX2"
+    note = isa_cap_note(info)
+    assert "oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2)" in note and "emulation" in note
+
+
+def test_no_cap_no_note(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    info = machine()
+    assert "onednn_isa_cap" not in info and isa_cap_note(info) == ""
