@@ -32,18 +32,31 @@ import torch
 from bench import models
 from bench.compare import perf_by_type
 from bench.report import isa_cap_note, machine
-from bench.variants import calibration_inputs
+from bench.variants import VariantSpec, calibration_inputs
 
 logger = logging.getLogger("bench.int8_profile")
 
 ATTENTION_MARK = "scaled_dot_product_attention"
 
 
-def attention_ms(request: ov.InferRequest) -> float:
-    """Milliseconds of the last inference spent in the attention's nodes (needs ``PERF_COUNT``)."""
+def attention_nodes(compiled: ov.CompiledModel) -> frozenset[str]:
+    """The names of the plugin's nodes that run an attention's ops: a node it fused one into (a snippet
+    subgraph, named after whichever of the fused ops it likes: the attention op on AMX, the transpose after
+    it with oneDNN capped at AVX2) lists the attention among its original layers."""
+    names = set()
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        original = info["originalLayersNames"].astype(str) if "originalLayersNames" in info else ""
+        kind = info["layerType"].astype(str) if "layerType" in info else ""
+        if ATTENTION_MARK in original or kind in ("ScaledDotProductAttention", "Softmax"):
+            names.add(op.get_friendly_name())
+    return frozenset(names)
+
+
+def attention_ms(request: ov.InferRequest, nodes: frozenset[str]) -> float:
+    """Milliseconds of the last inference spent in the attention's ``nodes`` (needs ``PERF_COUNT``)."""
     return sum(i.real_time.total_seconds() * 1e3 for i in request.profiling_info
-               if i.status == i.Status.EXECUTED
-               and (ATTENTION_MARK in i.node_name or i.node_type in ("ScaledDotProductAttention", "Softmax")))
+               if i.status == i.Status.EXECUTED and i.node_name in nodes)
 
 
 def profile(component: str, quick: bool, size: int, samples: int, rounds: int, work: Path) -> dict[str, Any]:
@@ -65,8 +78,12 @@ def profile(component: str, quick: bool, size: int, samples: int, rounds: int, w
 
     core = ov.Core()
     arrays = [t.numpy() for t in inputs]
-    requests = {name: core.compile_model(m, "CPU", {"PERF_COUNT": True}).create_infer_request()
-                for name, m in (("float", model), ("int8", quantized))}
+    # the device's automatic precision (f32 where oneDNN is capped below bf16, as on such a CPU)
+    config = {"PERF_COUNT": True, **VariantSpec("static", "auto").config}
+    compiled = {name: core.compile_model(m, "CPU", config) for name, m in (("float", model), ("int8", quantized))}
+    attention = {name: attention_nodes(c) for name, c in compiled.items()}
+    requests = {name: c.create_infer_request() for name, c in compiled.items()}
+    del compiled
     del model, quantized
     for request in requests.values():  # warm-up: the plugin lays out the weights on the first inference
         request.infer(arrays)
@@ -78,15 +95,15 @@ def profile(component: str, quick: bool, size: int, samples: int, rounds: int, w
             start = time.perf_counter()
             requests[name].infer(arrays)
             times[name].append(time.perf_counter() - start)
-            profiled[name] = perf_by_type(requests[name]), attention_ms(requests[name])
+            profiled[name] = perf_by_type(requests[name]), attention_ms(requests[name], attention[name])
     result: dict[str, Any] = {"component": component, "quick": quick, "size": size, "samples": samples,
                               "rounds": rounds, "convert_seconds": convert_s, "quantize_seconds": quantize_s,
                               "times": times, "machine": machine(),
                               "device": core.get_property("CPU", "FULL_DEVICE_NAME")}
     for name in requests:
-        by_type, attention = profiled[name]
+        by_type, attention_time = profiled[name]
         result[name] = {"median_s": statistics.median(times[name]), "profiled_ms": sum(by_type.values()),
-                        "attention_ms": attention, "by_type_ms": by_type}
+                        "attention_ms": attention_time, "by_type_ms": by_type}
     f, q = result["float"], result["int8"]
     result["speedup"] = f["median_s"] / q["median_s"]
     rest_ms = f["profiled_ms"] - f["attention_ms"]
