@@ -146,7 +146,8 @@ def quantize(model: ov.Model, samples: Sequence[Sequence[np.ndarray]]) -> ov.Mod
     NNCF's mixed preset (symmetric weights, asymmetric activations) for transformer-style models
     (SmoothQuant for the attention's matmuls, softmax at float); the first and last weighted op stay
     at float; bias correction is off (it needs many more samples than a generation gives). On CPUs
-    without VNNI the weights are 7-bit (overflow fix) and matmuls stay at float (see below).
+    without VNNI the weights are 7-bit (overflow fix), and matmuls and the attention stay at float (see
+    :data:`NO_VNNI_AT_FLOAT`).
 
     Raises:
         QuantizationError: NNCF is missing or failed.
