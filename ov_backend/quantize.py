@@ -38,7 +38,7 @@ NO_VNNI_ISA_CAPS = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})
 #: Op types kept at float on CPUs without VNNI. oneDNN's int8 matmuls are slower than its f32 ones there;
 #: and 8-bit inputs to the attention (NNCF quantizes its query and key) stop the CPU plugin fusing it into
 #: one kernel: its matmuls and softmax ran apart, 4.0 s of a 6.8 s UNet call against 1.7 s fused at f32.
-NO_VNNI_AT_FLOAT = ["MatMul", "ScaledDotProductAttention"]
+NO_VNNI_AT_FLOAT = ("MatMul", "ScaledDotProductAttention")
 
 
 class QuantizationError(RuntimeError):
@@ -82,7 +82,7 @@ def calibration_key(samples: int) -> dict[str, Any]:
     exact = exact_int8_dot_products()
     return {"nncf": nncf_version(), "samples": samples, "preset": "mixed", "model_type": "transformer",
             "edges_at_float": True, "overflow_fix": "disable" if exact else "enable", "matmuls_at_float": not exact,
-            **({} if exact else {"at_float": NO_VNNI_AT_FLOAT})}
+            **({} if exact else {"at_float": list(NO_VNNI_AT_FLOAT)})}
 
 
 class Calibration:
@@ -170,8 +170,9 @@ def quantize(model: ov.Model, samples: Sequence[Sequence[np.ndarray]]) -> ov.Mod
             subset_size=len(samples),
             # without VNNI oneDNN's int8 matmul and fully-connected kernels are slower than its f32 ones
             # (full SD 1.5 UNet, oneDNN capped at AVX2: 4.8 s of int8 matmuls against 2.8 s at f32, while
-            # the int8 convolutions took 2.2 s against 5.3 s): there only the convolutions are quantized
-            ignored_scope=nncf.IgnoredScope(names=edge_layers(model), types=[] if exact else NO_VNNI_AT_FLOAT,
+            # the int8 convolutions took 2.2 s against 5.3 s): there only the convolutions are quantized, and the
+            # attention keeps float inputs (see NO_VNNI_AT_FLOAT)
+            ignored_scope=nncf.IgnoredScope(names=edge_layers(model), types=[] if exact else list(NO_VNNI_AT_FLOAT),
                                             validate=False),
             advanced_parameters=AdvancedQuantizationParameters(overflow_fix=OverflowFix.DISABLE if exact
                                                                else OverflowFix.ENABLE,
