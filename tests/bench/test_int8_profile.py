@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.int8_profile import main
+from bench.int8_profile import bound_if_rest_2x, main
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +26,7 @@ def test_quick_profile_splits_out_the_attention(tmp_path):
         assert 0 < run["attention_ms"] < run["profiled_ms"], run
         assert run["median_s"] > 0
     assert result["bound_if_rest_2x"] > 0 and result["speedup"] > 0
+    assert 0 < float_run["matmul_ms"] < float_run["profiled_ms"] - float_run["attention_ms"], float_run
     assert len(result["times"]["float"]) == len(result["times"]["int8"]) == 2
     assert result["device"] and "python -m bench.int8_profile --quick" in table
     assert "| of it attention ms (share) |" in table
@@ -35,3 +36,11 @@ def test_bad_counts_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--quick", "--samples", "0", "--work-dir", str(tmp_path), "--out", str(tmp_path)])
     assert "--samples and --rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_the_bound_keeps_what_the_quantizer_keeps_at_float():
+    """The bound of the AVX2 profile (oneDNN capped, README): the attention and, without VNNI, the matmuls
+    stay as they are; everything else at half its float time."""
+    assert bound_if_rest_2x(7955.6, 1755.9, 1760.8, 1460.0, matmuls_at_float=True) == pytest.approx(1.423, abs=1e-3)
+    assert bound_if_rest_2x(7955.6, 1755.9, 1760.8, 1460.0, matmuls_at_float=False) == pytest.approx(1.637, abs=1e-3)
+    assert bound_if_rest_2x(100.0, 100.0, 90.0, 0.0, matmuls_at_float=False) is None  # all of it attention
