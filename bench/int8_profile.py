@@ -56,16 +56,19 @@ def attention_nodes(compiled: ov.CompiledModel) -> frozenset[str]:
     return frozenset(names)
 
 
-def attention_ms(request: ov.InferRequest, nodes: frozenset[str]) -> float:
-    """Milliseconds of the last inference spent in the attention's ``nodes`` (needs ``PERF_COUNT``)."""
-    return sum(i.real_time.total_seconds() * 1e3 for i in request.profiling_info
-               if i.status == i.Status.EXECUTED and i.node_name in nodes)
-
-
-def matmul_ms(request: ov.InferRequest, attention: frozenset[str]) -> float:
-    """Milliseconds of the last inference in matmuls and fully-connected layers outside the attention."""
-    return sum(i.real_time.total_seconds() * 1e3 for i in request.profiling_info
-               if i.status == i.Status.EXECUTED and i.node_type in MATMUL_NODE_TYPES and i.node_name not in attention)
+def attention_and_matmul_ms(request: ov.InferRequest, attention: frozenset[str]) -> tuple[float, float]:
+    """Milliseconds of the last inference (needs ``PERF_COUNT``) in the ``attention``'s nodes, and in
+    matmuls and fully-connected layers outside it."""
+    in_attention = in_matmuls = 0.0
+    for i in request.profiling_info:
+        if i.status != i.Status.EXECUTED:
+            continue
+        ms = i.real_time.total_seconds() * 1e3
+        if i.node_name in attention:
+            in_attention += ms
+        elif i.node_type in MATMUL_NODE_TYPES:
+            in_matmuls += ms
+    return in_attention, in_matmuls
 
 
 def bound_if_rest_2x(float_ms: float, float_attention_ms: float, int8_attention_ms: float, float_matmul_ms: float,
@@ -107,21 +110,19 @@ def profile(component: str, quick: bool, size: int, samples: int, rounds: int, w
     for request in requests.values():  # warm-up: the plugin lays out the weights on the first inference
         request.infer(arrays)
     times: dict[str, list[float]] = {name: [] for name in requests}
-    profiled: dict[str, tuple[dict[str, float], float]] = {}
     for round_index in range(rounds):
         order = list(requests) if round_index % 2 == 0 else list(reversed(requests))
         for name in order:
             start = time.perf_counter()
             requests[name].infer(arrays)
             times[name].append(time.perf_counter() - start)
-            profiled[name] = (perf_by_type(requests[name]), attention_ms(requests[name], attention[name]),
-                              matmul_ms(requests[name], attention[name]))
     result: dict[str, Any] = {"component": component, "quick": quick, "size": size, "samples": samples,
                               "rounds": rounds, "convert_seconds": convert_s, "quantize_seconds": quantize_s,
                               "times": times, "machine": machine(),
                               "device": core.get_property("CPU", "FULL_DEVICE_NAME")}
-    for name in requests:
-        by_type, attention_time, matmul_time = profiled[name]
+    for name, request in requests.items():  # the counters of each model's last call
+        by_type = perf_by_type(request)
+        attention_time, matmul_time = attention_and_matmul_ms(request, attention[name])
         result[name] = {"median_s": statistics.median(times[name]), "profiled_ms": sum(by_type.values()),
                         "attention_ms": attention_time, "matmul_ms": matmul_time, "by_type_ms": by_type}
     f, q = result["float"], result["int8"]
