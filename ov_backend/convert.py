@@ -5,14 +5,15 @@ Two routes, both through openvino's public PyTorch frontend:
 * static: the graph is traced to aten ops for one input signature with the weights as
   constants (:func:`trace_static`), split into OpenVINO-supported partitions
   (:func:`partition`), and each partition is converted (:func:`convert_partition`);
-* dynamic: the whole graph is exported with ``torch.export`` with its symbolic dimensions
-  kept dynamic and converted once (:func:`convert_dynamic`); each input shape then costs only
-  a reshape and a compile.
+* dynamic: the whole graph is traced once with its symbolic dimensions kept dynamic
+  (:func:`trace_dynamic`; ``torch.export`` where that fails) and converted once
+  (:func:`convert_dynamic`); each input shape then costs only a reshape and a compile.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import re
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -184,19 +185,122 @@ def convert_partition(sub: torch.fx.GraphModule) -> ov.Model:
     return model
 
 
-def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
-                    dynamic_dims: Sequence[Sequence[int]]) -> ov.Model:
-    """Export ``fn`` with the given dimensions of each input dynamic and convert it once.
+def _dynamic_decompositions(
+        decompositions: dict[Any, Callable[..., Any]]) -> tuple[dict[Any, Callable[..., Any]], dict[Any, Any]]:
+    """The decompositions of a symbolic trace, and the composite ops it keeps whole.
+
+    The frontend converts an exported program after decomposing it to core aten ops, except the ops it
+    translates itself (its list: upsampling, scaled dot product attention, linear, ...); some of its
+    translations need static sizes that core aten's decompositions avoid (``split`` along a dynamic
+    dimension). A symbolic trace decomposes the same way, and also as ``decompositions`` (the static
+    route's) says. Kept composite ops are mapped to torch's marker for "do not decompose".
+
+    Raises:
+        ImportError: this torch or openvino lacks what the trace relies on.
+    """
+    from openvino.frontend.pytorch.torchdynamo.export_decompositions import ops_to_not_decompose
+    from torch._decomp import core_aten_decompositions
+    from torch._export.utils import _special_op_to_preserve_cia
+    from torch.export.exported_program import _collect_all_valid_cia_ops
+
+    kept_ops = set(ops_to_not_decompose()) - set(decompositions)
+    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in kept_ops}
+    table.update(decompositions)
+    composites = set(_collect_all_valid_cia_ops())
+    return table, {op: _special_op_to_preserve_cia for op in kept_ops if op in composites}
+
+
+def _sums_as_additions(gm: torch.fx.GraphModule) -> None:
+    """Rewrite ``torch.sym_sum`` (how a trace records a sum of several sizes) as chained additions, which
+    the frontend converts (it has no rule for ``sym_sum``)."""
+    sums = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.sym_sum]
+    for node in sums:
+        terms = list(node.args[0])
+        with gm.graph.inserting_before(node):
+            total = terms[0]
+            for term in terms[1:]:
+                total = gm.graph.call_function(operator.add, (total, term))
+        node.replace_all_uses_with(total)
+        gm.graph.erase_node(node)
+    if sums:
+        gm.recompile()
+
+
+def trace_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynamic_dims: Sequence[Sequence[int]],
+                  decompositions: dict[Any, Callable[..., Any]]) -> torch.fx.GraphModule:
+    """Trace ``fn(*inputs)`` once to an aten graph in which ``dynamic_dims`` of each input stay symbolic.
+
+    The trace runs on fake tensors with symbolic sizes, as torch.export's does, but straight to the ops
+    the frontend converts (:func:`_dynamic_decompositions`). (torch.export, then the frontend's own
+    decomposition pass over the exported program, traced the full-size SD 1.5 UNet twice with symbolic
+    sizes: about 50 s, against 10 s for this one trace.) A dimension whose example size is 0 or 1 is
+    traced at that size, as torch.export does.
+
+    Raises:
+        ConversionError: the graph cannot be traced this way, or the trace fixed a dimension meant to
+            stay dynamic (the code branched on its value); :func:`convert_dynamic` then exports instead.
+    """
+    try:
+        from torch._dispatch.python import enable_python_dispatcher
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.export.exported_program import _override_composite_implicit_decomp
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+        table, kept = _dynamic_decompositions(decompositions)
+    except ImportError as err:  # another torch or openvino than the pinned ones
+        raise ConversionError(f"symbolic tracing is not available here: {err}") from err
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    fakes, symbols = [], []
+    for tensor, dims in zip(inputs, dynamic_dims):
+        sizes = [DimDynamic.DYNAMIC if d in dims and tensor.shape[d] > 1 else DimDynamic.STATIC
+                 for d in range(tensor.dim())]
+        fake = mode.from_tensor(tensor, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+        fakes.append(fake)
+        symbols += [size.node.expr for size in fake.shape if isinstance(size, torch.SymInt)]
+    try:
+        # the composite ops' kernels are patched process-wide while the block runs: under dynamo's lock
+        with build_lock(), torch.no_grad(), mode, enable_python_dispatcher(), \
+                _override_composite_implicit_decomp(kept):
+            gm = make_fx(fn, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
+    except Exception as err:  # fake tensors and symbolic sizes fail in many ways; all mean "export instead"
+        raise ConversionError(f"symbolic tracing failed: {type(err).__name__}: {str(err).splitlines()[0]}") \
+            from err
+    fixed = [f"{symbol}={env.replace(symbol)}" for symbol in symbols if env.replace(symbol).is_number]
+    if fixed:
+        raise ConversionError(f"symbolic tracing fixed dynamic sizes to their example values ({', '.join(fixed)})")
+    _sums_as_additions(gm)
+    return gm
+
+
+def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynamic_dims: Sequence[Sequence[int]],
+                    decompositions: dict[Any, Callable[..., Any]] | None = None) -> ov.Model:
+    """Convert ``fn`` once with the given dimensions of each input dynamic.
+
+    With ``decompositions`` (the static route's), the graph is traced once with symbolic sizes
+    (:func:`trace_dynamic`) and converted; if that fails, or without them, it is exported with
+    ``torch.export`` and the exported program converted (slower: two symbolic traces).
 
     Args:
         fn: takes exactly ``inputs``; weights reached through its closure become constants, weights
             among the inputs become parameters (static shapes: give them no dynamic dimension).
         inputs: example tensors.
         dynamic_dims: for each input, the dimensions to keep dynamic.
+        decompositions: the decomposition table of the one-trace conversion.
 
     Raises:
         ConversionError: export or conversion failed.
     """
+    if decompositions is not None:
+        try:
+            traced = trace_dynamic(fn, inputs, dynamic_dims, decompositions)
+            decoder = TorchFXPythonDecoder(traced, dynamic_shapes=True)
+            model = _frontend_convert(decoder)
+            del decoder
+            return model
+        except ConversionError as err:
+            reason = f"no rule for {', '.join(err.unconverted)}" if err.unconverted else str(err).splitlines()[0]
+            logger.info("converting with one symbolic trace failed (%s); exporting with torch.export instead", reason)
     from torch.export import Dim, export
 
     class _Wrapper(torch.nn.Module):

@@ -1,0 +1,106 @@
+"""The dynamic route's conversion: one symbolic trace, with torch.export where that trace cannot serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ov_backend import convert
+from ov_backend.ops import decomposition_table
+
+from .conftest import F32_ATOL, F32_RTOL
+
+
+class TinyUNet(torch.nn.Module):
+    """What the dynamic route meets in a Stable Diffusion UNet: a strided convolution, group norm,
+    cross-attention to a context of any length (scaled dot product attention), nearest upsampling by
+    a scale factor and a skip connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv_in = torch.nn.Conv2d(4, 16, 3, padding=1)
+        self.down = torch.nn.Conv2d(16, 16, 3, padding=1, stride=2)
+        self.norm = torch.nn.GroupNorm(4, 16)
+        self.q = torch.nn.Linear(16, 16)
+        self.kv = torch.nn.Linear(12, 32)
+        self.conv_out = torch.nn.Conv2d(32, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        skip = self.conv_in(x)
+        h = self.norm(self.down(skip))
+        b, c, height, width = h.shape
+        tokens = h.flatten(2).transpose(1, 2)
+        q = self.q(tokens).view(b, -1, 2, 8).transpose(1, 2)
+        k, v = self.kv(context).view(b, -1, 2, 16).transpose(1, 2).chunk(2, dim=-1)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, height * width, c)
+        h = h + attended.transpose(1, 2).reshape(b, c, height, width)
+        h = F.interpolate(h, scale_factor=2.0, mode="nearest")
+        return self.conv_out(torch.cat([h, skip], dim=1))
+
+
+def _no_export(*args, **kwargs):
+    raise AssertionError("the graph was exported with torch.export: the one-trace conversion did not serve")
+
+
+def test_one_symbolic_trace_serves_every_size(backend, monkeypatch):
+    """Sizes, batches and context lengths after the first cost a compile, never a trace or an export; the
+    results are PyTorch's."""
+    monkeypatch.setattr(torch.export, "export", _no_export)
+    model = TinyUNet().eval()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for batch, size, tokens in ((2, 16, 7), (2, 24, 7), (3, 16, 12), (4, 8, 5)):
+            x, context = torch.randn(batch, 4, size, size), torch.randn(batch, tokens, 12)
+            for dim in (0, 2, 3):
+                torch._dynamo.maybe_mark_dynamic(x, dim)
+            for dim in (0, 1):
+                torch._dynamo.maybe_mark_dynamic(context, dim)
+            torch.testing.assert_close(compiled(x, context), model(x, context), atol=F32_ATOL, rtol=F32_RTOL)
+    assert [r.route for r in backend.reports] == ["dynamic"] * 4
+    converted = [r for r in backend.reports if r.convert_seconds > 0]
+    assert len(converted) == 1, [r.summary() for r in backend.reports]
+    assert backend.stats()["eager_calls"] == 0
+
+
+def _kept_whole(gm: torch.fx.GraphModule) -> set[str]:
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_the_trace_keeps_attention_and_upsampling_whole_and_sizes_symbolic():
+    """OpenVINO fuses scaled dot product attention and upsampling it gets whole; the sizes stay symbols."""
+    model = TinyUNet().eval()
+    gm = convert.trace_dynamic(model, [torch.randn(2, 4, 16, 16), torch.randn(2, 7, 12)], [(0, 2, 3), (0, 1)],
+                               decomposition_table())
+    targets = _kept_whole(gm)
+    assert "aten.scaled_dot_product_attention.default" in targets
+    assert "aten.upsample_nearest2d.vec" in targets
+    placeholders = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [isinstance(size, torch.SymInt) for size in placeholders[0].shape] == [True, False, True, True]
+    assert [isinstance(size, torch.SymInt) for size in placeholders[1].shape] == [True, True, False]
+
+
+class SizeBranch(torch.nn.Module):
+    """Code that branches on a size's value: a trace can only serve the example's size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] == 8:
+            return x * 2
+        return x + 1
+
+
+def test_a_size_fixed_while_tracing_is_refused_and_exported_instead(monkeypatch):
+    with pytest.raises(convert.ConversionError, match="fixed dynamic sizes"):
+        convert.trace_dynamic(SizeBranch(), [torch.randn(2, 8)], [(1,)], decomposition_table())
+    exports: list[int] = []
+    real_export = torch.export.export
+
+    def counted(*args, **kwargs):
+        exports.append(1)
+        return real_export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted)
+    model = convert.convert_dynamic(SizeBranch(), [torch.randn(2, 8)], [(1,)], decomposition_table())
+    assert exports == [1]
+    assert len(model.inputs) == 1
