@@ -233,12 +233,12 @@ def trace_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynami
     The trace runs on fake tensors with symbolic sizes, as torch.export's does, but straight to the ops
     the frontend converts (:func:`_dynamic_decompositions`). (torch.export, then the frontend's own
     decomposition pass over the exported program, traced the full-size SD 1.5 UNet twice with symbolic
-    sizes: about 50 s, against 10 s for this one trace.) A dimension whose example size is 0 or 1 is
-    traced at that size, as torch.export does.
+    sizes: about 50 s, against 10 s for this one trace.)
 
     Raises:
-        ConversionError: the graph cannot be traced this way, or the trace fixed a dimension meant to
-            stay dynamic (the code branched on its value); :func:`convert_dynamic` then exports instead.
+        ConversionError: the graph cannot be traced this way: a dimension meant to stay dynamic has an
+            example size of 0 or 1, or the trace fixed one (the code branched on its value);
+            :func:`convert_dynamic` then exports instead.
     """
     try:
         from torch._dispatch.python import enable_python_dispatcher
@@ -251,10 +251,13 @@ def trace_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynami
         raise ConversionError(f"symbolic tracing is not available here: {err}") from err
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    ones = [f"input {i} dimension {d}" for i, (tensor, dims) in enumerate(zip(inputs, dynamic_dims))
+            for d in dims if tensor.shape[d] <= 1]
+    if ones:  # a symbolic size traced at 0 or 1 is fixed to it: the model would serve that size only
+        raise ConversionError(f"symbolic tracing cannot keep sizes of 0 or 1 dynamic ({', '.join(ones)})")
     fakes, symbols = [], []
     for tensor, dims in zip(inputs, dynamic_dims):
-        sizes = [DimDynamic.DYNAMIC if d in dims and tensor.shape[d] > 1 else DimDynamic.STATIC
-                 for d in range(tensor.dim())]
+        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
         fake = mode.from_tensor(tensor, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
         fakes.append(fake)
         symbols += [size.node.expr for size in fake.shape if isinstance(size, torch.SymInt)]

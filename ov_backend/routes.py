@@ -209,12 +209,13 @@ class GraphBuilder:
             if variant is not None:
                 return variant
         model = base.clone()
-        model.reshape({i: ov.PartialShape(list(s[0])) for i, s in enumerate(sig)})
         try:
+            # a reshape fails where the model holds a size the conversion fixed (to its example value)
+            model.reshape({i: ov.PartialShape(list(s[0])) for i, s in enumerate(sig)})
             compiled = context.compile(model, part)
         except RuntimeError as err:
-            report.warnings.append(f"compile failed: {err}")
-            logger.warning("%s: OpenVINO could not compile the reshaped model (%s); tracing this shape",
+            report.warnings.append(f"reshape or compile failed: {err}")
+            logger.warning("%s: OpenVINO could not reshape or compile the model for this shape (%s); tracing it",
                            self.name, err)
             return None
         report.route = "dynamic"

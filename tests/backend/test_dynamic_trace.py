@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ov_backend import convert
 from ov_backend.ops import decomposition_table
 
-from .conftest import F32_ATOL, F32_RTOL
+from .conftest import F32_ATOL, F32_RTOL, f32_backend
 
 
 class TinyUNet(torch.nn.Module):
@@ -103,4 +103,44 @@ def test_a_size_fixed_while_tracing_is_refused_and_exported_instead(monkeypatch)
     monkeypatch.setattr(torch.export, "export", counted)
     model = convert.convert_dynamic(SizeBranch(), [torch.randn(2, 8)], [(1,)], decomposition_table())
     assert exports == [1]
+    assert len(model.inputs) == 1
+
+
+class Tokens(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.reshape(-1, 8)).view(x.shape[0], x.shape[1], 4)
+
+
+def test_a_converted_model_that_cannot_take_a_shape_traces_that_shape(tmp_path, monkeypatch):
+    """A model whose conversion fixed a size (here: every size) fails to reshape to another: that shape
+    is traced for itself, and the result is right."""
+    backend = f32_backend(tmp_path, shared_shapes="never")
+    real = convert.convert_dynamic
+
+    def sizes_fixed(fn, inputs, dynamic_dims, decompositions=None):
+        return real(fn, inputs, [() for _ in dynamic_dims], decompositions)
+
+    monkeypatch.setattr(convert, "convert_dynamic", sizes_fixed)
+    model = Tokens().eval()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for batch in (2, 3):
+            x = torch.randn(batch, 5, 8)
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    assert [r.route for r in backend.reports] == ["dynamic", "static"]
+    assert any("reshape or compile failed" in w for w in backend.reports[-1].warnings)
+    assert backend.stats()["eager_calls"] == 0
+
+
+def test_a_size_of_one_is_exported_not_traced():
+    """A symbolic trace would fix a dynamic size of 1; such a graph is exported instead."""
+    with pytest.raises(convert.ConversionError, match="sizes of 0 or 1"):
+        convert.trace_dynamic(Tokens(), [torch.randn(1, 5, 8)], [(0, 1)], decomposition_table())
+    model = convert.convert_dynamic(Tokens(), [torch.randn(1, 5, 8)], [(0, 1)], decomposition_table())
     assert len(model.inputs) == 1
