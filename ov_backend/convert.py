@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 
 from ov_backend.ops import OpenVINOSupport, node_op_name
+from ov_backend.portable import sizes_may_be_one
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +234,13 @@ def trace_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynami
     The trace runs on fake tensors with symbolic sizes, as torch.export's does, but straight to the ops
     the frontend converts (:func:`_dynamic_decompositions`). (torch.export, then the frontend's own
     decomposition pass over the exported program, traced the full-size SD 1.5 UNet twice with symbolic
-    sizes: about 50 s, against 10 s for this one trace.)
+    sizes: about 50 s, against 10 s for this one trace.) An example size of 1 stays symbolic (torch's
+    size-oblivious reasoning, as within ``portable.sizes_may_be_one``): A1111 calls its text encoder at a batch
+    of 1 first.
 
     Raises:
-        ConversionError: the graph cannot be traced this way: a dimension meant to stay dynamic has an
-            example size of 0 or 1, or the trace fixed one (the code branched on its value);
+        ConversionError: the graph cannot be traced this way: a dimension meant to stay dynamic is
+            empty in the example, or the trace fixed one (the code branched on its value);
             :func:`convert_dynamic` then exports instead.
     """
     try:
@@ -249,26 +252,28 @@ def trace_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynami
         table, kept = _dynamic_decompositions(decompositions)
     except ImportError as err:  # another torch or openvino than the pinned ones
         raise ConversionError(f"symbolic tracing is not available here: {err}") from err
+    empty = [f"input {i} dimension {d}" for i, (tensor, dims) in enumerate(zip(inputs, dynamic_dims))
+             for d in dims if tensor.shape[d] == 0]
+    if empty:
+        raise ConversionError(f"symbolic tracing cannot keep sizes of 0 dynamic ({', '.join(empty)})")
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-    ones = [f"input {i} dimension {d}" for i, (tensor, dims) in enumerate(zip(inputs, dynamic_dims))
-            for d in dims if tensor.shape[d] <= 1]
-    if ones:  # a symbolic size traced at 0 or 1 is fixed to it: the model would serve that size only
-        raise ConversionError(f"symbolic tracing cannot keep sizes of 0 or 1 dynamic ({', '.join(ones)})")
-    fakes, symbols = [], []
-    for tensor, dims in zip(inputs, dynamic_dims):
-        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
-        fake = mode.from_tensor(tensor, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
-        fakes.append(fake)
-        symbols += [size.node.expr for size in fake.shape if isinstance(size, torch.SymInt)]
+    symbols = []
     try:
         # the composite ops' kernels are patched process-wide while the block runs: under dynamo's lock
-        with build_lock(), torch.no_grad(), mode, enable_python_dispatcher(), \
+        with build_lock(), torch.no_grad(), sizes_may_be_one(), mode, enable_python_dispatcher(), \
                 _override_composite_implicit_decomp(kept):
+            fakes = []
+            for tensor, dims in zip(inputs, dynamic_dims):
+                sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
+                fakes.append(mode.from_tensor(tensor, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
+                symbols += [size.node.expr for size in fakes[-1].shape if isinstance(size, torch.SymInt)]
             gm = make_fx(fn, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
     except Exception as err:  # fake tensors and symbolic sizes fail in many ways; all mean "export instead"
         raise ConversionError(f"symbolic tracing failed: {type(err).__name__}: {str(err).splitlines()[0]}") \
             from err
+    if len(symbols) != sum(len(dims) for dims in dynamic_dims):
+        raise ConversionError("symbolic tracing did not give every dynamic dimension a symbol")
     fixed = [f"{symbol}={env.replace(symbol)}" for symbol in symbols if env.replace(symbol).is_number]
     if fixed:
         raise ConversionError(f"symbolic tracing fixed dynamic sizes to their example values ({', '.join(fixed)})")

@@ -138,9 +138,23 @@ def test_a_converted_model_that_cannot_take_a_shape_traces_that_shape(tmp_path, 
     assert backend.stats()["eager_calls"] == 0
 
 
-def test_a_size_of_one_is_exported_not_traced():
-    """A symbolic trace would fix a dynamic size of 1; such a graph is exported instead."""
-    with pytest.raises(convert.ConversionError, match="sizes of 0 or 1"):
-        convert.trace_dynamic(Tokens(), [torch.randn(1, 5, 8)], [(0, 1)], decomposition_table())
-    model = convert.convert_dynamic(Tokens(), [torch.randn(1, 5, 8)], [(0, 1)], decomposition_table())
-    assert len(model.inputs) == 1
+def test_a_batch_of_one_stays_dynamic():
+    """A1111 calls its text encoder at a batch of 1 first: that trace serves other batches too."""
+    import numpy as np
+    import openvino as ov
+
+    model = TinyUNet().eval()
+    gm = convert.trace_dynamic(model, [torch.randn(1, 4, 16, 16), torch.randn(1, 7, 12)], [(0, 2, 3), (0, 1)],
+                               decomposition_table())
+    batch = [n.meta["val"].shape[0] for n in gm.graph.nodes if n.op == "placeholder"]
+    assert all(isinstance(size, torch.SymInt) for size in batch)
+    openvino_model = convert.convert_dynamic(model, [torch.randn(1, 4, 16, 16), torch.randn(1, 7, 12)],
+                                             [(0, 2, 3), (0, 1)], decomposition_table())
+    for inputs in ((torch.randn(1, 4, 16, 16), torch.randn(1, 7, 12)),
+                   (torch.randn(3, 4, 24, 8), torch.randn(3, 9, 12))):
+        reshaped = openvino_model.clone()
+        reshaped.reshape({i: ov.PartialShape(list(x.shape)) for i, x in enumerate(inputs)})
+        compiled = ov.Core().compile_model(reshaped, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        with torch.no_grad():
+            expected = model(*inputs).numpy()
+        np.testing.assert_allclose(compiled([x.numpy() for x in inputs])[0], expected, atol=F32_ATOL, rtol=F32_RTOL)
