@@ -235,8 +235,8 @@ def trace_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynami
     the frontend converts (:func:`_dynamic_decompositions`). (torch.export, then the frontend's own
     decomposition pass over the exported program, traced the full-size SD 1.5 UNet twice with symbolic
     sizes: about 50 s, against 10 s for this one trace.) An example size of 1 stays symbolic (torch's
-    size-oblivious reasoning, as within ``portable.sizes_may_be_one``): A1111 calls its text encoder at a batch
-    of 1 first.
+    size-oblivious reasoning, as within ``portable.sizes_may_be_one``): A1111 calls its text encoder at
+    a batch of 1 first.
 
     Raises:
         ConversionError: the graph cannot be traced this way: a dimension meant to stay dynamic is
@@ -307,7 +307,10 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dyna
             del decoder
             return model
         except ConversionError as err:
-            reason = f"no rule for {', '.join(err.unconverted)}" if err.unconverted else str(err).splitlines()[0]
+            # the frontend's summary lines ("-- No conversion rule found for ...", "-- Conversion is failed for
+            # ...") say more than its first line
+            summary = [line[3:] for line in str(err).splitlines() if line.startswith("-- ")]
+            reason = "; ".join(summary) if summary else str(err).splitlines()[0]
             logger.info("converting with one symbolic trace failed (%s); exporting with torch.export instead", reason)
     from torch.export import Dim, export
 

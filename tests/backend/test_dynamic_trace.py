@@ -158,3 +158,23 @@ def test_a_batch_of_one_stays_dynamic():
         with torch.no_grad():
             expected = model(*inputs).numpy()
         np.testing.assert_allclose(compiled([x.numpy() for x in inputs])[0], expected, atol=F32_ATOL, rtol=F32_RTOL)
+
+
+class SizeSplit(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[1] // 2
+        return x[:, :half] * 2 + x[:, half:]
+
+
+def test_the_fallback_says_what_the_trace_could_not_do(monkeypatch, caplog):
+    """When the one-trace conversion fails, the log names the frontend's reason, and export converts."""
+    def no_rule(decoder):
+        raise convert.ConversionError("OpenVINO could not convert the graph: Check 'false' failed\n"
+                                      "Summary:\n-- Conversion is failed for: aten.test_op.default")
+
+    monkeypatch.setattr(convert, "_frontend_convert", no_rule)
+    with caplog.at_level("INFO", logger="ov_backend.convert"):
+        model = convert.convert_dynamic(SizeSplit(), [torch.randn(2, 8)], [(1,)], decomposition_table())
+    assert "Conversion is failed for: aten.test_op.default" in caplog.text
+    assert "exporting with torch.export instead" in caplog.text
+    assert len(model.inputs) == 1
