@@ -57,9 +57,11 @@ def machine() -> dict[str, Any]:
     import torch
     import transformers
 
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    from ov_backend.quantize import onednn_isa_cap
+
+    cap = onednn_isa_cap()
     if cap:  # oneDNN (and OpenVINO's CPU plugin with it) runs only kernels up to this ISA: an emulation
-        info["onednn_isa_cap"] = cap.upper()
+        info["onednn_isa_cap"] = cap
     info["versions"] = {"torch": torch.__version__, "openvino": openvino.get_version(),
                         "diffusers": diffusers.__version__, "transformers": transformers.__version__}
     return info

@@ -60,6 +60,13 @@ def nncf_version() -> str:
         return "missing"
 
 
+def onednn_isa_cap() -> str | None:
+    """oneDNN's CPU ISA cap, upper case ("AVX2"), from ``ONEDNN_MAX_CPU_ISA`` or its older name
+    ``DNNL_MAX_CPU_ISA`` (oneDNN reads both); None when kernels are not capped."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return cap.strip().upper() if cap and cap.strip() else None
+
+
 def exact_int8_dot_products() -> bool:
     """Whether this CPU's int8 kernels sum products in 32 bits (VNNI or AMX, and oneDNN not capped below).
 
@@ -67,7 +74,7 @@ def exact_int8_dot_products() -> bool:
     in saturating 16 bits, and full 8-bit weights can overflow: NNCF's overflow fix then quantizes
     weights to 7 bits. Where the CPU's flags cannot be read, this says False (the safe choice).
     """
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in NO_VNNI_ISA_CAPS:
+    if onednn_isa_cap() in NO_VNNI_ISA_CAPS:
         return False
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:

@@ -314,12 +314,24 @@ class HeadsAttention(torch.nn.Module):
         return self.conv_out(torch.nn.functional.silu(self.conv_mid(h)))
 
 
+@pytest.mark.parametrize("name", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+def test_either_name_of_the_isa_cap_means_no_exact_int8_products(name, monkeypatch):
+    """oneDNN reads its cap under both names: the quantizer does too (7-bit weights, matmuls at float)."""
+    for other in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, "avx2")
+    assert quantize.onednn_isa_cap() == "AVX2"
+    assert not quantize.exact_int8_dot_products()
+    assert quantize.calibration_key(4)["at_float"] == list(quantize.NO_VNNI_AT_FLOAT)
+
+
 @pytest.mark.parametrize("isa_cap", ["", "AVX2"])
 def test_the_attention_keeps_float_inputs_without_vnni(isa_cap, monkeypatch):
     """Without VNNI (here oneDNN's cap, as the quantizer reads it) the attention op gets no 8-bit inputs:
     quantized query and key stop OpenVINO's CPU plugin fusing the attention, whose matmuls and softmax
     then ran apart (full SD 1.5 UNet, oneDNN capped at AVX2: 4.0 s of a 6.8 s call, against 1.7 s fused
     at f32). With VNNI NNCF quantizes them, and the plugin fuses the 8-bit attention."""
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa_cap)
     if not isa_cap and not quantize.exact_int8_dot_products():
         pytest.skip("this CPU has no VNNI: the quantizer keeps the attention at float without a cap")
