@@ -282,36 +282,35 @@ def trace_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynami
 
 
 def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynamic_dims: Sequence[Sequence[int]],
-                    decompositions: dict[Any, Callable[..., Any]] | None = None) -> ov.Model:
+                    decompositions: dict[Any, Callable[..., Any]]) -> ov.Model:
     """Convert ``fn`` once with the given dimensions of each input dynamic.
 
-    With ``decompositions`` (the static route's), the graph is traced once with symbolic sizes
-    (:func:`trace_dynamic`) and converted; if that fails, or without them, it is exported with
-    ``torch.export`` and the exported program converted (slower: two symbolic traces).
+    The graph is traced once with symbolic sizes (:func:`trace_dynamic`) and converted; if that fails,
+    it is exported with ``torch.export`` and the exported program converted (slower: two symbolic
+    traces).
 
     Args:
         fn: takes exactly ``inputs``; weights reached through its closure become constants, weights
             among the inputs become parameters (static shapes: give them no dynamic dimension).
         inputs: example tensors.
         dynamic_dims: for each input, the dimensions to keep dynamic.
-        decompositions: the decomposition table of the one-trace conversion.
+        decompositions: the static route's decomposition table (the one-trace conversion adds to it).
 
     Raises:
         ConversionError: export or conversion failed.
     """
-    if decompositions is not None:
-        try:
-            traced = trace_dynamic(fn, inputs, dynamic_dims, decompositions)
-            decoder = TorchFXPythonDecoder(traced, dynamic_shapes=True)
-            model = _frontend_convert(decoder)
-            del decoder
-            return model
-        except ConversionError as err:
-            # the frontend's summary lines ("-- No conversion rule found for ...", "-- Conversion is failed for
-            # ...") say more than its first line
-            summary = [line[3:] for line in str(err).splitlines() if line.startswith("-- ")]
-            reason = "; ".join(summary) if summary else str(err).splitlines()[0]
-            logger.info("converting with one symbolic trace failed (%s); exporting with torch.export instead", reason)
+    try:
+        traced = trace_dynamic(fn, inputs, dynamic_dims, decompositions)
+        decoder = TorchFXPythonDecoder(traced, dynamic_shapes=True)
+        model = _frontend_convert(decoder)
+        del decoder
+        return model
+    except ConversionError as err:
+        # the frontend's summary lines ("-- No conversion rule found for ...", "-- Conversion is failed for
+        # ...") say more than its first line
+        summary = [line[3:] for line in str(err).splitlines() if line.startswith("-- ")]
+        reason = "; ".join(summary) if summary else str(err).splitlines()[0]
+        logger.info("converting with one symbolic trace failed (%s); exporting with torch.export instead", reason)
     from torch.export import Dim, export
 
     class _Wrapper(torch.nn.Module):

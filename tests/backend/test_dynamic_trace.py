@@ -122,7 +122,7 @@ def test_a_converted_model_that_cannot_take_a_shape_traces_that_shape(tmp_path, 
     backend = f32_backend(tmp_path, shared_shapes="never")
     real = convert.convert_dynamic
 
-    def sizes_fixed(fn, inputs, dynamic_dims, decompositions=None):
+    def sizes_fixed(fn, inputs, dynamic_dims, decompositions):
         return real(fn, inputs, [() for _ in dynamic_dims], decompositions)
 
     monkeypatch.setattr(convert, "convert_dynamic", sizes_fixed)
