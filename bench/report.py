@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import variants
+from ov_backend.memory import system_memory
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,9 @@ def machine() -> dict[str, Any]:
         info["git_commit"] = commit + (" (ov_backend or bench modified)" if dirty else "")
     except (OSError, subprocess.SubprocessError) as err:
         logger.info("git unavailable: %s", err)
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            info["memory_gib"] = round(int(fh.readline().split()[1]) / (1 << 20), 1)
-    except OSError:
-        pass
+    memory = system_memory()
+    if memory is not None:
+        info["memory_gib"] = round(memory.total / (1 << 30), 1)
     import diffusers
     import openvino
     import torch

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from bench import webui_report
 from bench.webui_host import BenchWebUI, write_kohya_lora
+from ov_backend.memory import system_memory
 from tests.real_webui.webui import (
     CHECKPOINT_A,
     CHECKPOINT_B,
@@ -227,7 +228,8 @@ class Scenario:
             if mode != "stock":
                 status = self.ui.status()
                 record.update({k: status.get(k) for k in ("accelerated", "compiles", "compile_seconds",
-                                                          "convert_seconds", "released", "run_seconds", "cache_hits",
+                                                          "convert_seconds", "released", "kept_previous", "run_seconds",
+                                                          "cache_hits",
                                                           "ov_calls", "eager_calls", "lora_write_seconds")})
                 record["status"] = status.get("status", "")
         except (AssertionError, OSError, RuntimeError) as err:
@@ -303,11 +305,8 @@ def extension_commit(ui: BenchWebUI) -> str:
 
 
 def available_gib() -> float:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / (1 << 20)
-    return 0.0
+    memory = system_memory()
+    return memory.available / (1 << 30) if memory is not None else 0.0
 
 
 def _parser() -> argparse.ArgumentParser:

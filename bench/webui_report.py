@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
+from ov_backend.memory import system_memory
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,11 @@ def cpu_summary() -> dict[str, Any]:
 
 def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
     """What the results file says about the run before any number."""
-    with open("/proc/meminfo", encoding="ascii") as f:
-        meminfo = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    memory = system_memory()
     return {
         "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": note,
         "machine": report.machine(), "cpu": cpu_summary(),
-        "available_gib_at_start": round(meminfo.get("MemAvailable", 0) / (1 << 20), 1),
+        "available_gib_at_start": round(memory.available / (1 << 30), 1) if memory is not None else None,
         "load_average_at_start": os.getloadavg()[0],
         "extension_source": "working tree" if os.environ.get("OV_REAL_WEBUI_SOURCE") == "worktree"
         else "git clone of the checkout's HEAD",

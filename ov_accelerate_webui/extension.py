@@ -310,6 +310,7 @@ def _run_report(
         "lora_changes": {change.label: change.networks for change in lora_changes},
         "lora_write_seconds": sum(change.write_seconds for change in lora_changes),
         **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
-                                               "convert_seconds", "run_seconds", "released", "capture_seconds",
-                                               "captures_made", "captures_saved", "captures_loaded")},
+                                               "convert_seconds", "run_seconds", "released", "kept_previous",
+                                               "capture_seconds", "captures_made", "captures_saved",
+                                               "captures_loaded")},
     }

@@ -74,6 +74,12 @@ def run_status(
             f"Released {released} compiled model(s) no call of this generation used (other sizes, weights or "
             "precisions), to keep memory down (using one again compiles it again)."
         )
+    kept = int(stats.get("kept_previous", 0))
+    if kept:
+        lines.append(
+            f"Kept {kept} compiled model(s) of the weights used before (the previous checkpoint, or the model "
+            "before a LoRA change) while memory allows: going back to them compiles nothing."
+        )
     fallbacks: dict[str, str] = {}
     for report in reports:
         fallbacks.update(report.fallback_ops)

@@ -27,7 +27,7 @@ from ov_backend.portable import PortableGraph
 from ov_backend.precision import PRECISION_CONFIG
 from ov_backend.report import CompileReport, Stats
 from ov_backend.settings import BackendSettings, build_settings
-from ov_backend.variants import UseWindow
+from ov_backend.variants import SharedModels, UseWindow
 from ov_backend.weights import DigestMemo
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class OVBackend:
             self.core, self.cache, self.stats_counter = share_with.core, share_with.cache, share_with.stats_counter
             self.versions, self.digests = share_with.versions, share_with.digests
             self._lock, self._reports, self._graphs = share_with._lock, share_with._reports, share_with._graphs
-            window = share_with.build_context.window
+            window, shared = share_with.build_context.window, share_with.build_context.shared
         else:
             self.core = ov.Core()
             self.cache = ModelCache(self.settings.cache_dir)
@@ -71,12 +71,12 @@ class OVBackend:
             self._lock = threading.Lock()
             self._reports: list[CompileReport] = []
             self._graphs: list[CompiledGraph] = []
-            window = UseWindow()
+            window, shared = UseWindow(), SharedModels()
         #: what compiled graphs see of this backend (compile_model is looked up here, so that a
         #: subclass's override is used)
         self.build_context = BuildContext(self.settings, self.core, self.cache, self.stats_counter,
                                     compile_model=self.compile_model, add_report=self.add_report,
-                                    digests=self.digests, versions=self.versions, window=window)
+                                    digests=self.digests, versions=self.versions, window=window, shared=shared)
 
     def derived(self, precision: str) -> OVBackend:
         """A backend at another precision that shares this one's state: cache, counters, reports, weight
@@ -206,7 +206,7 @@ class OVBackend:
         """Counters (see :class:`ov_backend.report.Stats`): compile_seconds (with trace_seconds,
         convert_seconds, ov_compile_seconds, quantize_seconds, hash_seconds), run_seconds, ov_calls,
         eager_calls, cache_hits, cache_misses, compiles, released (compiled models released, see
-        start_window)."""
+        start_window), kept_previous (models of the previous weights a release kept)."""
         return self.stats_counter.snapshot()
 
     def reset(self) -> None:

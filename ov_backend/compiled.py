@@ -21,7 +21,7 @@ import torch
 from ov_backend.context import BuildContext, OpenVINOFallbackError
 from ov_backend.inputs import GraphFacts, GraphInputs, InputKind, classify_inputs, signature, signature_text
 from ov_backend.routes import GraphBuilder
-from ov_backend.variants import MAX_WEIGHT_VARIANTS, WeightVariants
+from ov_backend.variants import MAX_WEIGHT_VARIANTS, ModelReleased, WeightVariants, keep_previous_weights
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +50,28 @@ class CompiledGraph:
         self._builder = GraphBuilder(context, self.inputs, name)
         #: (weights fingerprint, signature) -> the use window of its last call
         self._last_used: dict[tuple[str, Any], int] = {}
+        #: weights fingerprint -> the use window of its last call
+        self._weights_used: dict[str, int] = {}
 
-    def _release_unused(self) -> None:
-        """Before a build: release compiled models no call used in the current window (lock held)."""
-        if not self.context.window.releasing:
+    def _release_unused(self, fingerprint: str) -> None:
+        """Before a build for the weights ``fingerprint``: release compiled models no call used in the
+        current window, but those of the previous weights (the latest other fingerprint) that their
+        last window used, while ``previous_weights`` says to keep them (lock held)."""
+        window = self.context.window
+        if not window.releasing:
             return
-        window = self.context.window.current
-        self._release({key for key, last in self._last_used.items() if last < window},
-                      "no call used since the current use window began")
+        unused = {key for key, last in self._last_used.items() if last < window.current}
+        others = [fp for fp in self._weights_used if fp != fingerprint]
+        if unused and others:
+            previous = max(others, key=self._weights_used.__getitem__)
+            last = self._weights_used[previous]
+            kept = {key for key in unused if key[0] == previous and self._last_used[key] == last}
+            if kept and keep_previous_weights(self.context.settings.previous_weights):
+                unused -= kept
+                self.context.stats.add(kept_previous=len(kept))
+                logger.info("%s: keeping %d compiled model(s) of the previous weights (%s): going back to them "
+                            "compiles nothing", self.name, len(kept), previous[:12])
+        self._release(unused, "no call used since the current use window began")
 
     def release_compiled(self) -> int:
         """Release every compiled model of this graph that it can compile again from what it keeps (the
@@ -76,29 +90,46 @@ class CompiledGraph:
             return 0
         for key in unused:
             del self._last_used[key]
+        left = {fp for fp, _ in self._last_used}
+        for fp in [fp for fp in self._weights_used if fp not in left]:
+            del self._weights_used[fp]
         released = self._weights.release(unused)
         if released:
             self.context.stats.add(released=released)
             logger.info("%s: released %d compiled model(s): %s", self.name, released, why)
         return released
 
-    def __call__(self, *args: Any) -> Any:
-        weight_values, user_values = self.inputs.split(args)
-        sig = signature(user_values, self.inputs.scalar_tensors)
+    def _variant(self, sig: Any, user_values: Any, weight_values: Any) -> tuple[str, dict[Any, Any], Any]:
+        """The weights' fingerprint and variants, and the variant for ``sig`` (built if missing, or if
+        the model it borrowed is gone)."""
         fp, variants = self._weights.current(weight_values)
         variant = variants.get(sig)
-        if variant is None:
+        if variant is None or not variant.usable:
             with self._lock:
                 fp, variants = self._weights.current(weight_values)
                 variant = variants.get(sig)
-                if variant is None:
-                    self._release_unused()
+                if variant is None or not variant.usable:
+                    self._release_unused(fp)
                     variant = self._builder.build(sig, user_values, weight_values, variants, fp)
                     variants[sig] = variant
-        self._last_used[(fp, sig)] = self.context.window.current
+        window = self.context.window.current
+        self._last_used[(fp, sig)] = self._weights_used[fp] = window
+        return fp, variants, variant
+
+    def __call__(self, *args: Any) -> Any:
+        weight_values, user_values = self.inputs.split(args)
+        sig = signature(user_values, self.inputs.scalar_tensors)
+        fp, variants, variant = self._variant(sig, user_values, weight_values)
         start = time.perf_counter()
         try:
-            result = variant.run(user_values)
+            try:
+                result = variant.run(user_values)
+            except ModelReleased:  # its owner released the borrowed model after the check: build again
+                with self._lock:
+                    if variants.get(sig) is variant:
+                        del variants[sig]
+                fp, variants, variant = self._variant(sig, user_values, weight_values)
+                result = variant.run(user_values)
         except Exception as err:  # OpenVINO runtime errors come as RuntimeError and others
             if not variant.in_openvino:
                 raise

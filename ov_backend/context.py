@@ -21,7 +21,7 @@ import openvino as ov
 from ov_backend.cache import ModelCache, make_key
 from ov_backend.report import CompileReport, PartitionReport, Stats
 from ov_backend.settings import BackendSettings
-from ov_backend.variants import UseWindow
+from ov_backend.variants import SharedModels, UseWindow
 from ov_backend.weights import DigestMemo
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class BuildContext:
         digests: per-tensor weight digests shared by every graph.
         versions: library versions, part of every cache key.
         window: the backend's use windows (compiled models unused in the current one are released).
+        shared: the compiled models for all shapes its graphs lend each other.
     """
 
     settings: BackendSettings
@@ -56,6 +57,7 @@ class BuildContext:
     digests: DigestMemo
     versions: Mapping[str, str]
     window: UseWindow = field(default_factory=UseWindow)
+    shared: SharedModels = field(default_factory=SharedModels)
 
     def fail(self, message: str, err: BaseException | None = None) -> None:
         """A visible fallback to PyTorch: a WARNING with ``message``, or raise when ``strict``.

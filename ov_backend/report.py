@@ -29,6 +29,8 @@ class PartitionReport:
             ``BackendSettings.shared_shapes``); ``reused``: it was compiled for an earlier shape.
         replaced: how many models compiled for one shape each it replaced when it was compiled (their
             shapes run it from then on).
+        borrowed: the model for all shapes is another graph's, captured from the same code and run with
+            the same weights (see :class:`ov_backend.variants.SharedModels`): nothing compiled.
     """
 
     name: str
@@ -46,6 +48,7 @@ class PartitionReport:
     calibration_samples: int = 0
     all_shapes: bool = False
     replaced: int = 0
+    borrowed: bool = False
 
 
 @dataclass
@@ -126,7 +129,9 @@ class CompileReport:
              else "conversion reused") if self.partitions and all(p.reused for p in self.partitions)
             else "cache hit" if self.cache_hit else "cache miss",
         ]
-        if any(p.all_shapes for p in self.partitions):
+        if any(p.borrowed for p in self.partitions):
+            parts.append("the compiled model for all shapes of another graph of the same code and weights")
+        elif any(p.all_shapes for p in self.partitions):
             replaced = sum(p.replaced for p in self.partitions)
             parts.append("one compiled model for all shapes"
                          + (f" (replaces {replaced} compiled for one shape each)" if replaced else ""))
@@ -157,14 +162,15 @@ class Stats:
     weights: a graph's first call, and each in-place change (a LoRA, a checkpoint loaded into the model).
     ``capture_seconds`` is dynamo's capture where its owner measures it (capturing ahead of time, or
     loading a saved capture: see :mod:`ov_backend.portable`), apart from ``compile_seconds``;
-    ``captures_made``, ``captures_saved`` and ``captures_loaded`` count those.
+    ``captures_made``, ``captures_saved`` and ``captures_loaded`` count those. ``kept_previous`` counts
+    compiled models of the previous weights a release left in memory (``BackendSettings.previous_weights``).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values = {"compile_seconds": 0.0, "trace_seconds": 0.0, "convert_seconds": 0.0,
                         "ov_compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
-                        "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0,
+                        "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0, "kept_previous": 0,
                         "quantize_seconds": 0.0, "quantized": 0, "hash_seconds": 0.0, "capture_seconds": 0.0,
                         "captures_made": 0, "captures_saved": 0, "captures_loaded": 0}
 

@@ -38,7 +38,15 @@ from ov_backend.partitions import StaticBuild
 from ov_backend.precision import QUANTIZED_PRECISIONS
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVRunner
-from ov_backend.variants import ALL_SHAPES_MODEL, FOR_ALL_SHAPES, FOR_ONE_SHAPE, Variant, eager_variant
+from ov_backend.variants import (
+    ALL_SHAPES_MODEL,
+    BORROWED,
+    FOR_ALL_SHAPES,
+    FOR_ONE_SHAPE,
+    ModelReleased,
+    Variant,
+    eager_variant,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +155,15 @@ class GraphBuilder:
                                {"graph": self._graph_code, "dims": dims, "weights": "inputs" if free else "baked"},
                                for_device=False)
 
+        share_key = None
+        if not self._int8 and context.settings.shared_shapes != "never" and not self._sharing_failed:
+            # the model for all shapes of these weights, under a key another capture of the same code finds
+            share_key = context.key("dynamic for all shapes", [(len(s[0]), s[1]) for s in sig], fingerprint,
+                                    {"graph": self._graph_code, "dims": dims})
+            if ALL_SHAPES_MODEL not in variants:
+                borrowed = self._borrowed(share_key, part, report)
+                if borrowed is not None:
+                    return borrowed
         weight_free = all(bindable(t) for t in weight_values)
         key = dynamic_key(weight_free)
         base = variants.get(DYNAMIC_MODEL)
@@ -205,7 +222,7 @@ class GraphBuilder:
             if quantized is not None:
                 base = quantized
         if int8_key is None and self._shares_shapes(sig, variants):
-            variant = self._for_all_shapes(base, variants, part, report)
+            variant = self._for_all_shapes(base, variants, part, report, share_key)
             if variant is not None:
                 return variant
         model = base.clone()
@@ -240,11 +257,11 @@ class GraphBuilder:
             isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE and key != sig for key, v in variants.items())
 
     def _for_all_shapes(self, base: ov.Model, variants: dict[Any, Any], part: PartitionReport,
-                        report: CompileReport) -> Variant | None:
-        """A variant that runs the model compiled with dynamic shapes, compiling it on first use; the
-        models compiled per shape for these weights go then, their shapes run it too (no build when
-        they come back). None if OpenVINO cannot compile it (remembered: this graph compiles per shape
-        from then on)."""
+                        report: CompileReport, share_key: str | None) -> Variant | None:
+        """A variant that runs the model compiled with dynamic shapes, compiling it on first use (and
+        lending it to the backend's other graphs under ``share_key``); the models compiled per shape
+        for these weights go then, their shapes run it too (no build when they come back). None if
+        OpenVINO cannot compile it (remembered: this graph compiles per shape from then on)."""
         runner = variants.get(ALL_SHAPES_MODEL)
         if runner is None:
             try:
@@ -256,6 +273,8 @@ class GraphBuilder:
                                "it for each shape instead", self.name, err)
                 return None
             runner = variants[ALL_SHAPES_MODEL] = OVRunner(compiled, self.inputs.output_dtypes())
+            if share_key is not None:
+                self.context.shared.lend(share_key, runner)
             per_shape = [key for key, v in variants.items()
                          if isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE]
             for key in per_shape:
@@ -272,6 +291,28 @@ class GraphBuilder:
         report.partitions.append(part)
         logger.info("OpenVINO %s %s", "compiled" if part.compile_seconds else "reused", report.summary())
         return self._running(runner, FOR_ALL_SHAPES)
+
+    def _borrowed(self, share_key: str, part: PartitionReport, report: CompileReport) -> Variant | None:
+        """A variant running the model for all shapes that another graph of the backend compiled from
+        the same code and weights, if that graph still holds it (see
+        :class:`~ov_backend.variants.SharedModels`). Only a weak reference is kept: when the owner
+        releases the model, the signature is built again."""
+        ref = self.context.shared.borrow(share_key)
+        if ref is None:
+            return None
+
+        def run(user: Sequence[Any]) -> Any:
+            runner = ref()
+            if runner is None:
+                raise ModelReleased(f"{self.name}: the borrowed model was released")
+            return tuple(runner(user))
+
+        part.reused = part.all_shapes = part.borrowed = True
+        report.route = "dynamic"
+        report.partitions.append(part)
+        logger.info("OpenVINO reused %s", report.summary())
+        return Variant(run, in_openvino=True, releasable=True, compiled_for=BORROWED,
+                       usable=lambda: ref() is not None)
 
     @staticmethod
     def _running(runner: OVRunner, compiled_for: str) -> Variant:

@@ -37,6 +37,8 @@ DEFAULT_MIN_PARTITION_OPS = 1
 DEFAULT_CALIBRATION_SAMPLES = 8
 #: See BackendSettings.shared_shapes.
 SHARED_SHAPES: tuple[str, ...] = ("auto", "always", "never")
+#: See BackendSettings.previous_weights.
+PREVIOUS_WEIGHTS: tuple[str, ...] = ("auto", "keep", "release")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -82,6 +84,14 @@ class BackendSettings:
             "always"; "never". Under "auto", devices other than the CPU compile per shape
             (GPU plugins compile dynamic shapes slowly, NPUs need static ones). INT8 models are always
             compiled per shape.
+        previous_weights: with use windows (``OVBackend.start_window``), whether a graph keeps the
+            compiled models its previous weights (another checkpoint loaded into the same modules, the
+            weights before a LoRA) used in their last window, so that going back to them costs no
+            compile. Only the latest other set of weights is kept, and only the models its last window
+            used; older ones, and other sizes, go as before. "auto": kept while at least a third of the
+            machine's memory is available (:mod:`ov_backend.memory`; a 16 GB machine running SD 1.5
+            seldom has that, a 24 GB one does), released otherwise or where memory cannot be read;
+            "keep"; "release".
     """
 
     device: str = "CPU"
@@ -96,6 +106,7 @@ class BackendSettings:
     min_partition_ops: int = DEFAULT_MIN_PARTITION_OPS
     calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
     shared_shapes: str = "auto"
+    previous_weights: str = "auto"
 
     @property
     def config_dict(self) -> dict[str, str]:
@@ -255,6 +266,7 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
                                       meaning="calls recorded at float before an INT8 model is quantized"),
         strict=_as_bool("strict", merged.get("strict", False)),
         shared_shapes=_as_choice("shared_shapes", merged.get("shared_shapes", "auto"), SHARED_SHAPES),
+        previous_weights=_as_choice("previous_weights", merged.get("previous_weights", "auto"), PREVIOUS_WEIGHTS),
         min_partition_ops=_as_count("min_partition_ops", merged.get("min_partition_ops", DEFAULT_MIN_PARTITION_OPS),
                                     minimum=1, meaning="partitions with fewer aten ops run in PyTorch; "
                                                        "1 sends every partition to OpenVINO"),

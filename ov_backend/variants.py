@@ -3,7 +3,9 @@
 Owns :class:`Variant` (how one signature runs: OpenVINO or PyTorch) and :class:`WeightVariants`,
 the small LRU of weight sets (e.g. LoRA combinations) whose variants stay in memory. Noticing a
 change of weights costs microseconds on each call (:class:`ov_backend.weights.WeightWatch`); only
-a change hashes the weights' contents, whose fingerprint names the set in cache keys.
+a change hashes the weights' contents, whose fingerprint names the set in cache keys. Also owns
+:class:`UseWindow` (what a unit of work keeps compiled) and :class:`SharedModels` (the compiled
+models for all shapes that graphs of one backend lend each other).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +22,7 @@ import torch
 
 from ov_backend import weights
 from ov_backend.inputs import GraphInputs
+from ov_backend.memory import system_memory
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,20 @@ ALL_SHAPES_MODEL = "__compiled_for_all_shapes__"
 FOR_ONE_SHAPE = "one shape"
 #: ``Variant.compiled_for`` of a variant that runs the weights set's :data:`ALL_SHAPES_MODEL`
 FOR_ALL_SHAPES = "all shapes"
+#: ``Variant.compiled_for`` of a variant that runs a model for all shapes another graph compiled and
+#: lends (:class:`SharedModels`): it holds no model of its own
+BORROWED = "borrowed"
+#: ``BackendSettings.previous_weights`` "auto": the previous weights' models stay while at least this
+#: share of the machine's memory is available
+KEEP_PREVIOUS_MIN_AVAILABLE = 1 / 3
+
+
+def keep_previous_weights(mode: str) -> bool:
+    """Whether a graph keeps its previous weights' compiled models now (``BackendSettings.previous_weights``)."""
+    if mode != "auto":
+        return mode == "keep"
+    memory = system_memory()
+    return memory is not None and memory.available >= KEEP_PREVIOUS_MIN_AVAILABLE * memory.total
 
 
 class UseWindow:
@@ -57,6 +75,40 @@ class UseWindow:
         self.releasing = False
 
 
+class SharedModels:
+    """Compiled models for all shapes that the graphs of one backend lend each other, by key.
+
+    dynamo captures the same code again when a guard fails (A1111's UNet called at batch 1 for a
+    prompt longer than 75 tokens, after batch 2): the captures convert to the same model, and with
+    the same weights one compiled model serves them all (a full SD 1.5 UNet at bf16 holds 1.7 GB,
+    and compiling it costs seconds). The graph that compiled a model owns it; the others borrow it
+    through a weak reference, so it goes when its owner releases it (a borrower then builds its own).
+    The key names the graph's code, its dynamic dimensions, the weights' fingerprint and the
+    settings that change a compiled model.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: dict[str, weakref.ref[Any]] = {}
+
+    def lend(self, key: str, model: Any) -> None:
+        """Offer ``model`` (held by its owner) under ``key``."""
+        with self._lock:
+            for k in [k for k, ref in self._models.items() if ref() is None]:
+                del self._models[k]
+            self._models[key] = weakref.ref(model)
+
+    def borrow(self, key: str) -> weakref.ref[Any] | None:
+        """A weak reference to the model lent under ``key``, if its owner still holds it."""
+        with self._lock:
+            ref = self._models.get(key)
+        return ref if ref is not None and ref() is not None else None
+
+
+class ModelReleased(RuntimeError):
+    """A borrowed model was released by its owner between the check and the call: build again."""
+
+
 class Variant:
     """How one signature runs: a partitioned graph, a single OpenVINO model, or eager PyTorch.
 
@@ -67,16 +119,25 @@ class Variant:
             when it is needed again (see :class:`UseWindow`).
         calibration: at precision "int8": the recording its calls add to (they run at float until the
             graph is quantized); None otherwise.
-        compiled_for: :data:`FOR_ONE_SHAPE` or :data:`FOR_ALL_SHAPES` on the dynamic route, else None.
+        compiled_for: :data:`FOR_ONE_SHAPE`, :data:`FOR_ALL_SHAPES` or :data:`BORROWED` on the dynamic
+            route, else None.
+        usable: for a borrowed model: whether its owner still holds it (else always usable).
     """
 
     def __init__(self, run: Callable[[Sequence[Any]], Any], in_openvino: bool, releasable: bool = False,
-                 calibration: Any = None, compiled_for: str | None = None) -> None:
+                 calibration: Any = None, compiled_for: str | None = None,
+                 usable: Callable[[], bool] | None = None) -> None:
         self.run = run
         self.in_openvino = in_openvino
         self.releasable = releasable
         self.calibration = calibration
         self.compiled_for = compiled_for
+        self._usable = usable
+
+    @property
+    def usable(self) -> bool:
+        """False once the model it borrowed is gone (the graph builds the signature again)."""
+        return self._usable is None or self._usable()
 
 
 def eager_variant(inputs: GraphInputs, weight_values: Sequence[torch.Tensor]) -> Variant:
@@ -153,8 +214,9 @@ class WeightVariants:
             variant = found.get(sig) if found is not None else None
             if isinstance(variant, Variant) and variant.releasable:
                 del found[sig]
-                # a variant of the model for all shapes holds none of its own: counted when that goes
-                dropped += variant.compiled_for != FOR_ALL_SHAPES
+                # a variant of the model for all shapes holds none of its own: counted when that goes;
+                # a borrowed one is its owner's to count
+                dropped += variant.compiled_for not in (FOR_ALL_SHAPES, BORROWED)
         for found in self._by_weights.values():
             # the model for all shapes goes with the last variant that ran it
             if ALL_SHAPES_MODEL in found and not any(

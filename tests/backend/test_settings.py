@@ -28,7 +28,7 @@ def test_defaults(monkeypatch):
 def test_option_names_are_the_stock_set_plus_ours():
     assert set(OPTION_NAMES) == {"device", "model_caching", "cache_dir", "config", "precision", "decompositions",
                                  "disabled_ops", "aot_autograd", "strict", "min_partition_ops",
-                                 "calibration_samples", "shared_shapes"}
+                                 "calibration_samples", "shared_shapes", "previous_weights"}
 
 
 def test_unknown_option_is_named():

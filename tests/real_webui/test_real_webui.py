@@ -205,8 +205,9 @@ def test_long_prompt_with_emphasis_and_break(webui: WebUI) -> None:
     assert_matches(webui, "long prompt (3 chunks), emphasis, BREAK", stock, fast)
     assert fast.status["convert_seconds"] == 0, fast.status["status"]
     assert fast.status["captures_made"] <= 1, fast.status["status"]
-    # its two calls per step, one per length, run one UNet compiled for all shapes (one copy of the weights)
-    assert "one compiled model for all shapes" in fast.status["status"], fast.status["status"]
+    # its two calls per step, one per length, run one UNet compiled for all shapes (one copy of the weights):
+    # compiled for this capture, or the first capture's, borrowed when that one holds a model for all shapes
+    assert "compiled model for all shapes" in fast.status["status"], fast.status["status"]
 
 
 def test_second_and_third_resolution_and_back_without_a_conversion(webui: WebUI) -> None:

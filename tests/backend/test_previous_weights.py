@@ -1,0 +1,166 @@
+"""Going back to weights used before, and captures of the same code, compile nothing.
+
+Two things a WebUI user does every day cost a full compile of the UNet each (seconds on a CPU, and
+1.7 GB of memory for SD 1.5 at bf16): switching back to the checkpoint used before (A1111 loads it
+into the same modules, in place), and a prompt longer than 75 tokens (A1111 calls the UNet at batch 1
+instead of 2, and dynamo captures the same code again). These tests pin down that the previous
+weights' models stay while memory allows (``previous_weights``), that a second capture of the same
+code borrows the first one's model for all shapes, and that every result is still the eager one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ov_backend import variants
+from ov_backend.graph_runs import GraphCollector, GraphRunCounter
+from ov_backend.memory import SystemMemory, system_memory
+
+from .conftest import F32_ATOL, F32_RTOL, f32_backend
+from .test_live_weights import Block
+
+
+def run(compiled, model, batch: int, height: int, width: int = 8) -> torch.Tensor:
+    """A call whose height and width may vary (batch not marked, as A1111's CFG batch of 2)."""
+    x = torch.randn(batch, 4, height, width)
+    for dim in (2, 3):
+        torch._dynamo.maybe_mark_dynamic(x, dim)
+    with torch.no_grad():
+        got = compiled(x)
+        torch.testing.assert_close(got, model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    return got
+
+
+def swap(model: Block, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load ``values`` into the model in place (as A1111 loads a checkpoint); returns the ones replaced."""
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(values[k])
+    return before
+
+
+def other_weights(model: Block, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: torch.randn_like(v) * 0.3 for k, v in model.state_dict().items()}
+
+
+def generation(backend, compiled, model, height: int = 8) -> None:
+    """One unit of work, as the WebUI adapter runs it: a use window, the UNet at CFG batch 2."""
+    backend.start_window()
+    run(compiled, model, 2, height)
+
+
+def switching(tmp_path, mode: str):
+    backend = f32_backend(tmp_path, previous_weights=mode)
+    model = Block().eval()
+    compiled = torch.compile(model, backend=backend)
+    generation(backend, compiled, model)  # checkpoint A
+    a = swap(model, other_weights(model, 1))
+    generation(backend, compiled, model)  # checkpoint B: a compile of its own
+    assert backend.stats()["compiles"] == 2
+    swap(model, a)
+    generation(backend, compiled, model)  # back to A (compared with eager inside)
+    return backend, model, compiled
+
+
+def test_switching_back_to_the_previous_weights_compiles_nothing(tmp_path):
+    backend, _, _ = switching(tmp_path, "keep")
+    assert backend.stats()["compiles"] == 2 and backend.stats()["released"] == 0
+    assert [r.graph for r in backend.reports] == ["graph 0", "graph 0"]
+
+
+def test_release_compiles_the_previous_weights_again(tmp_path):
+    backend, _, _ = switching(tmp_path, "release")
+    assert backend.stats()["compiles"] == 3 and backend.stats()["released"] == 2  # A's at B, B's at A
+    assert backend.stats()["convert_seconds"] > 0 and backend.reports[-1].convert_seconds == 0  # compile only
+
+
+@pytest.mark.parametrize(("available_gib", "compiles"), [(12.0, 2), (6.0, 3)])
+def test_auto_keeps_them_while_a_third_of_the_memory_is_available(tmp_path, monkeypatch, available_gib, compiles):
+    gib = 1 << 30
+    monkeypatch.setattr(variants, "system_memory", lambda: SystemMemory(24 * gib, int(available_gib * gib)))
+    backend, _, _ = switching(tmp_path, "auto")
+    assert backend.stats()["compiles"] == compiles
+
+
+def test_auto_releases_where_memory_cannot_be_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(variants, "system_memory", lambda: None)
+    backend, _, _ = switching(tmp_path, "auto")
+    assert backend.stats()["compiles"] == 3
+
+
+def test_only_the_latest_other_weights_and_only_what_their_last_window_used(tmp_path):
+    backend = f32_backend(tmp_path, previous_weights="keep", shared_shapes="never")
+    model = Block().eval()
+    compiled = torch.compile(model, backend=backend)
+    generation(backend, compiled, model, 8)
+    generation(backend, compiled, model, 12)  # A at two sizes, in two windows
+    a = swap(model, other_weights(model, 1))
+    generation(backend, compiled, model, 12)  # B: A's 8-high model goes (its last window did not use it)
+    assert backend.stats()["compiles"] == 3 and backend.stats()["released"] == 1
+    swap(model, other_weights(model, 2))
+    generation(backend, compiled, model, 12)  # C: B's model stays; A's goes (a graph keeps two sets of weights)
+    assert backend.stats()["compiles"] == 4
+    swap(model, a)
+    generation(backend, compiled, model, 12)  # A again: compiled anew (no conversion)
+    assert backend.stats()["compiles"] == 5 and backend.reports[-1].convert_seconds == 0
+
+
+def test_a_second_capture_of_the_same_code_borrows_the_first_ones_model(tmp_path):
+    backend = f32_backend(tmp_path, model_caching=False)
+    collector = GraphCollector(GraphRunCounter(backend))
+    model = Block().eval()
+    compiled = torch.compile(model, backend=collector)
+    backend.start_window()
+    run(compiled, model, 2, 8)
+    run(compiled, model, 2, 12)  # a second size: one model for all shapes
+    assert backend.stats()["compiles"] == 2
+    run(compiled, model, 1, 8)  # batch 1 (a long prompt in A1111): dynamo captures the code again
+    run(compiled, model, 1, 16)
+    graphs = [r.graph for r in backend.reports]
+    assert graphs[-1] != graphs[0], "batch 1 is a second capture"
+    assert backend.stats()["compiles"] == 2  # nothing compiled for it (compared with eager inside)
+    borrowed = backend.reports[-2]
+    assert [p.borrowed for p in borrowed.partitions] == [True]
+    assert "another graph of the same code and weights" in borrowed.summary()
+
+
+def test_a_borrower_builds_its_own_model_once_the_owner_released_it(tmp_path):
+    backend = f32_backend(tmp_path, model_caching=False)
+    owner, borrower = GraphCollector(GraphRunCounter(backend)), GraphCollector(GraphRunCounter(backend))
+    model = Block().eval()
+    first, second = torch.compile(model, backend=owner), torch.compile(model, backend=borrower)
+    run(first, model, 2, 8)
+    run(first, model, 2, 12)
+    run(second, model, 1, 8)
+    assert backend.stats()["compiles"] == 2
+    assert owner.release() == 1  # the model for all shapes: it was the owner's
+    run(second, model, 1, 8)  # its borrowed model is gone: built again (compared with eager inside)
+    assert backend.stats()["compiles"] == 3
+    assert not backend.reports[-1].partitions[0].borrowed
+
+
+def test_new_weights_borrow_nothing_of_the_old_ones(tmp_path):
+    backend = f32_backend(tmp_path, model_caching=False)
+    model = Block().eval()
+    compiled = torch.compile(model, backend=backend)
+    run(compiled, model, 2, 8)
+    run(compiled, model, 2, 12)
+    swap(model, other_weights(model, 1))
+    run(compiled, model, 1, 8)  # another capture, other weights: its own model (eager's picture, inside)
+    assert not backend.reports[-1].partitions[0].borrowed
+    assert backend.stats()["compiles"] == 3
+
+
+def test_the_machines_memory_is_read():
+    memory = system_memory()
+    assert memory is not None, "Linux and Windows say how much memory is available"
+    assert 0 < memory.available <= memory.total
+
+
+@pytest.mark.parametrize("value", ["sometimes", 1])
+def test_an_unknown_previous_weights_value_says_what_is_valid(tmp_path, value):
+    with pytest.raises(ValueError, match=r"option 'previous_weights' must be one of \['auto', 'keep', 'release'\]"):
+        f32_backend(tmp_path, previous_weights=value)
