@@ -40,11 +40,10 @@ from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVRunner
 from ov_backend.variants import (
     ALL_SHAPES_MODEL,
-    BORROWED,
     FOR_ALL_SHAPES,
     FOR_ONE_SHAPE,
-    ModelReleased,
     Variant,
+    borrowed_variant,
     eager_variant,
 )
 
@@ -77,12 +76,16 @@ class GraphBuilder:
         context: what the backend lends (settings, cache, counters, report sink).
         inputs: the graph's inputs and outputs.
         name: the graph's name for logs and reports.
+        adopt: the graph's callback for a model for all shapes another graph lends (see
+            :class:`~ov_backend.variants.SharedModels`); None: this graph takes no part in lending.
     """
 
-    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str) -> None:
+    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str,
+                 adopt: Callable[[str, Any], int] | None = None) -> None:
         self.context = context
         self.inputs = inputs
         self.name = name
+        self._adopt = adopt
         self._graph_code = inputs.gm.code
         self._live: LiveModel | None = None
         #: why this graph's dynamic conversion failed or cannot work (a property of the graph: never tried again)
@@ -155,11 +158,13 @@ class GraphBuilder:
                                {"graph": self._graph_code, "dims": dims, "weights": "inputs" if free else "baked"},
                                for_device=False)
 
-        share_key = None
-        if not self._int8 and context.settings.shared_shapes != "never" and not self._sharing_failed:
+        share_key, sibling = None, False
+        if (self._adopt is not None and not self._int8 and context.settings.shared_shapes != "never"
+                and not self._sharing_failed):
             # the model for all shapes of these weights, under a key another capture of the same code finds
             share_key = context.key("dynamic for all shapes", [(len(s[0]), s[1]) for s in sig], fingerprint,
                                     {"graph": self._graph_code, "dims": dims})
+            sibling = context.shared.join(share_key, fingerprint, self._adopt)
             if ALL_SHAPES_MODEL not in variants:
                 borrowed = self._borrowed(share_key, part, report)
                 if borrowed is not None:
@@ -221,7 +226,7 @@ class GraphBuilder:
             quantized = self._int8_model(variants, None, int8_key, part)
             if quantized is not None:
                 base = quantized
-        if int8_key is None and self._shares_shapes(sig, variants):
+        if int8_key is None and self._shares_shapes(sig, variants, sibling):
             variant = self._for_all_shapes(base, variants, part, report, share_key)
             if variant is not None:
                 return variant
@@ -244,17 +249,19 @@ class GraphBuilder:
             variant = self._recording(variant, variants, None, base, int8_key, report, list)
         return variant
 
-    def _shares_shapes(self, sig: tuple[Any, ...], variants: dict[Any, Any]) -> bool:
+    def _shares_shapes(self, sig: tuple[Any, ...], variants: dict[Any, Any], sibling: bool = False) -> bool:
         """Whether ``sig`` runs the weights set's model for all shapes (``BackendSettings.shared_shapes``):
         it exists already, or "always", or under "auto" on the CPU a model compiled for another shape is
-        still held (the caller released those no call used in the current use window)."""
+        still held (the caller released those no call used in the current use window), or another graph
+        of the same code built for these weights (``sibling``: the model is lent to it, see
+        :class:`~ov_backend.variants.SharedModels`)."""
         mode = self.context.settings.shared_shapes
         if mode == "never" or self._sharing_failed:
             return False
         if mode == "always" or ALL_SHAPES_MODEL in variants:
             return True
-        return self.context.settings.device == "CPU" and any(
-            isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE and key != sig for key, v in variants.items())
+        return self.context.settings.device == "CPU" and (sibling or any(
+            isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE and key != sig for key, v in variants.items()))
 
     def _for_all_shapes(self, base: ov.Model, variants: dict[Any, Any], part: PartitionReport,
                         report: CompileReport, share_key: str | None) -> Variant | None:
@@ -274,7 +281,7 @@ class GraphBuilder:
                 return None
             runner = variants[ALL_SHAPES_MODEL] = OVRunner(compiled, self.inputs.output_dtypes())
             if share_key is not None:
-                self.context.shared.lend(share_key, runner)
+                part.replaced_elsewhere = self.context.shared.lend(share_key, runner, self._adopt)
             per_shape = [key for key, v in variants.items()
                          if isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE]
             for key in per_shape:
@@ -300,19 +307,11 @@ class GraphBuilder:
         ref = self.context.shared.borrow(share_key)
         if ref is None:
             return None
-
-        def run(user: Sequence[Any]) -> Any:
-            runner = ref()
-            if runner is None:
-                raise ModelReleased(f"{self.name}: the borrowed model was released")
-            return tuple(runner(user))
-
         part.reused = part.all_shapes = part.borrowed = True
         report.route = "dynamic"
         report.partitions.append(part)
         logger.info("OpenVINO reused %s", report.summary())
-        return Variant(run, in_openvino=True, releasable=True, compiled_for=BORROWED,
-                       usable=lambda: ref() is not None)
+        return borrowed_variant(ref, self.name)
 
     @staticmethod
     def _running(runner: OVRunner, compiled_for: str) -> Variant:

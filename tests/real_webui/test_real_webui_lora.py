@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from ov_backend.memory import system_memory
+
 from .test_real_webui import MIN_PSNR, accelerated, assert_ran_in_openvino, min_psnr, request
 from .webui import Result, WebUI
 
@@ -100,6 +102,33 @@ def test_lora_then_stock_without_it(webui: WebUI) -> None:
     assert_ran_in_openvino(webui.status())
     after = webui.generate(request(text))
     assert min_psnr(before, after) >= MIN_PSNR
+
+
+def test_going_back_to_the_weights_before_compiles_nothing(webui: WebUI) -> None:
+    """Back to the weights the run before the last one used (here the model with the LoRA, after a run
+    without it; in the same way the checkpoint before a switch, which A1111 loads into the same modules):
+    their compiled models stayed while the machine has memory to spare (``previous_weights="auto"``: a
+    third of it available), so nothing compiles; where memory is short they go, and it compiles again."""
+    text = f"a windmill by a canal, {next(_texts)}"
+    webui.generate(accelerated(request(lora_prompt(text, 1.0))))
+    webui.generate(accelerated(request(lora_prompt(text, None))))
+    without = webui.status()
+    memory = system_memory()
+    stock = webui.generate(request(lora_prompt(text, 1.0)))
+    fast = webui.generate(accelerated(request(lora_prompt(text, 1.0))))
+    fast.status = webui.status()
+    note_cost(webui, "back to LoRA weight 1", fast.status)
+    assert_ran_in_openvino(fast.status)
+    assert min_psnr(stock, fast) >= MIN_PSNR, fast.status["status"]
+    assert memory is not None
+    share = memory.available / memory.total
+    if share >= 0.4:  # well above the third "auto" asks for (the WebUI's own reading comes a moment earlier)
+        assert without["kept_previous"] > 0 and "Kept " in without["status"], without["status"]
+        assert fast.status["compiles"] == 0, fast.status["status"]
+    elif share <= 0.25:
+        assert without["kept_previous"] == 0 and fast.status["compiles"] > 0, fast.status["status"]
+    else:
+        pytest.skip(f"{share:.0%} of the memory available: too near the third that decides")
 
 
 def serving_pid(webui: WebUI) -> int:

@@ -90,10 +90,17 @@ def test_checkpoint_change(fake_host: Any, extension: Any, f32: Any) -> None:
     assert not any(routed_modules(fake_host.model).values()) and not any(routed_modules(other).values())
 
 
-def test_a_checkpoint_loaded_in_place_keeps_the_routes(fake_host: Any, extension: Any, tmp_path: Any) -> None:
+@pytest.mark.parametrize("available", [0.5, 0.2])
+def test_a_checkpoint_loaded_in_place_keeps_the_routes(fake_host: Any, extension: Any, tmp_path: Any,
+                                                       monkeypatch: Any, available: float) -> None:
     """A1111 loads a checkpoint of the same architecture into the model it has: nothing is captured again,
-    each checkpoint's picture is stock's, and going back to the first is a disk-cache hit, not a conversion."""
+    each checkpoint's picture is stock's, and going back to the first is never a conversion: with memory
+    to spare (half of it available) the first checkpoint's compiled models stayed and nothing compiles;
+    short of memory (a fifth) they went, and it is a compile of the model converted before."""
     from ov_accelerate_webui.settings import build_settings
+    from ov_backend import memory, variants
+
+    monkeypatch.setattr(variants, "system_memory", lambda: memory.SystemMemory(16 << 30, int(available * (16 << 30))))
 
     settings = build_settings({"precision": "f32", "vae": False, "text_encoder": False,
                                "cache_dir": str(tmp_path / "cache")})
@@ -113,12 +120,19 @@ def test_a_checkpoint_loaded_in_place_keeps_the_routes(fake_host: Any, extension
     assert max_pixel_diff(switched, baseline) <= IMAGE_TOLERANCE
     assert extension.accelerator().prepare(model, settings, "unused", window="continue").backend is backend
 
+    kept = extension.last_run_report()
+    assert ("Kept " in kept["status"]) == (available > 1 / 3), kept["status"]
+
     sd_models.reload_model_weights(info=info_a)
     back = extension.run(make_p(fake_host), settings)
     assert max_pixel_diff(back, first) <= IMAGE_TOLERANCE
     report = extension.last_run_report()
     assert report["convert_seconds"] == 0, report["status"]  # from the disk cache, or the model converted before
-    assert len(backend.reports) > graphs
+    assert len(backend.reports) > graphs  # the second checkpoint's compile
+    if available > 1 / 3:
+        assert report["compiles"] == 0 and "No new compile" in report["status"], report["status"]
+    else:
+        assert report["compiles"] > 0, report["status"]
 
 
 def test_unchecked_parts_stay_in_pytorch(fake_host: Any, extension: Any, f32: Any) -> None:
