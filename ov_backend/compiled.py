@@ -52,38 +52,15 @@ class CompiledGraph:
         self._last_used: dict[tuple[str, Any], int] = {}
         #: weights fingerprint -> the use window of its last call
         self._weights_used: dict[str, int] = {}
-        context.window.members.add(self)
 
-    def _adopt(self, key: str, fingerprint: str, ref: Any) -> int:
-        """Another graph of the same code lent its model for all shapes of the weights ``fingerprint``
-        under ``key``: this graph's models compiled for one shape of them go, their signatures run the lent
-        one (see :class:`~ov_backend.variants.SharedModels`). Returns how many went; 0 if the graph is busy
-        building."""
+    def _adopt(self, fingerprint: str, ref: Any) -> int:
+        """Another graph of the same code lent its model for all shapes of the weights ``fingerprint``:
+        this graph's models compiled for one shape of them go, their signatures run the lent one (see
+        :class:`~ov_backend.variants.SharedModels`). Returns how many went; 0 if the graph is busy building."""
         if not self._lock.acquire(blocking=False):
             return 0
         try:
-            return self._weights.adopt(fingerprint, ref, self._builder.touching(key))
-        finally:
-            self._lock.release()
-
-    def release_idle(self) -> int:
-        """Release every compiled model this graph holds if no call used it in the current use window or
-        the one before and the weights of its last call changed since (see
-        :class:`~ov_backend.variants.UseWindow`); returns how many. A graph busy in another thread is left
-        alone (0)."""
-        window = self.context.window
-        if not window.releasing or not self._last_used or max(self._last_used.values()) >= window.current - 1:
-            return 0
-        if not self._lock.acquire(blocking=False):
-            return 0
-        try:
-            if not self._weights.weights_changed():
-                return 0
-            # a model lent to another graph that ran it lately stays, with the calls of its weights
-            lent = {fp for fp, key in self._builder.lent.items()
-                    if self.context.shared.touched(key) >= window.current - 1}
-            return self._release({k for k in self._last_used if k[0] not in lent},
-                                 "not called lately, and its weights changed since")
+            return self._weights.adopt(fingerprint, ref)
         finally:
             self._lock.release()
 
@@ -146,10 +123,6 @@ class CompiledGraph:
                     self._release_unused(fp)
                     variant = self._builder.build(sig, user_values, weight_values, variants, fp)
                     variants[sig] = variant
-                    # after the build: what it borrowed counts as used
-                    for graph in list(self.context.window.members):
-                        if graph is not self:
-                            graph.release_idle()
         window = self.context.window.current
         self._last_used[(fp, sig)] = self._weights_used[fp] = window
         return fp, variants, variant

@@ -86,8 +86,6 @@ class GraphBuilder:
         self.inputs = inputs
         self.name = name
         self._adopt = adopt
-        #: weights fingerprint -> the key under which this graph lent its model for all shapes of them
-        self.lent: dict[str, str] = {}
         self._graph_code = inputs.gm.code
         self._live: LiveModel | None = None
         #: why this graph's dynamic conversion failed or cannot work (a property of the graph: never tried again)
@@ -229,7 +227,7 @@ class GraphBuilder:
             if quantized is not None:
                 base = quantized
         if int8_key is None and self._shares_shapes(sig, variants, sibling):
-            variant = self._for_all_shapes(base, variants, part, report, share_key, fingerprint)
+            variant = self._for_all_shapes(base, variants, part, report, share_key)
             if variant is not None:
                 return variant
         model = base.clone()
@@ -266,7 +264,7 @@ class GraphBuilder:
             isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE and key != sig for key, v in variants.items()))
 
     def _for_all_shapes(self, base: ov.Model, variants: dict[Any, Any], part: PartitionReport,
-                        report: CompileReport, share_key: str | None, fingerprint: str) -> Variant | None:
+                        report: CompileReport, share_key: str | None) -> Variant | None:
         """A variant that runs the model compiled with dynamic shapes, compiling it on first use (and
         lending it to the backend's other graphs under ``share_key``); the models compiled per shape
         for these weights go then, their shapes run it too (no build when they come back). None if
@@ -283,7 +281,6 @@ class GraphBuilder:
                 return None
             runner = variants[ALL_SHAPES_MODEL] = OVRunner(compiled, self.inputs.output_dtypes())
             if share_key is not None:
-                self.lent[fingerprint] = share_key
                 part.replaced_elsewhere = self.context.shared.lend(share_key, runner, self._adopt)
             per_shape = [key for key, v in variants.items()
                          if isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE]
@@ -310,20 +307,11 @@ class GraphBuilder:
         ref = self.context.shared.borrow(share_key)
         if ref is None:
             return None
-        touch = self.touching(share_key)
-        touch()
         part.reused = part.all_shapes = part.borrowed = True
         report.route = "dynamic"
         report.partitions.append(part)
         logger.info("OpenVINO reused %s", report.summary())
-        return borrowed_variant(ref, self.name, touch)
-
-    def touching(self, share_key: str) -> Callable[[], None]:
-        """What a borrowed model's call runs: it tells the backend's shared models that the model lent
-        under ``share_key`` is in use in the current window (its owner keeps it, see
-        :meth:`~ov_backend.compiled.CompiledGraph.release_idle`)."""
-        shared, window = self.context.shared, self.context.window
-        return lambda: shared.touch(share_key, window.current)
+        return borrowed_variant(ref, self.name)
 
     @staticmethod
     def _running(runner: OVRunner, compiled_for: str) -> Variant:

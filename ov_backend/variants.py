@@ -59,19 +59,11 @@ class UseWindow:
     the model it was compiled from (using it again costs a compile, never a conversion): memory holds
     the models the work at hand uses, and a size the work uses again is never compiled twice within
     it. Before the first window, or after :meth:`stop`, nothing is released.
-
-    A graph that builds also asks the backend's other graphs (its :attr:`members`) to release what they
-    hold for weights the modules no longer have, if no call ran it in this window or the one before (its
-    own, or another graph's that borrowed it): e.g. the UNet captured again for a long prompt, once the
-    checkpoint or LoRA changed. A graph that is not called never builds, and would otherwise keep its
-    models for good.
     """
 
     def __init__(self) -> None:
         self.current = 0
         self.releasing = False
-        #: the graphs of the backend (and of backends derived from it), held weakly
-        self.members: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def start(self) -> None:
         """A new window: what the calls from now on do not use is released at the next build."""
@@ -101,15 +93,13 @@ class SharedModels:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._models: dict[str, weakref.ref[Any]] = {}
-        #: key -> the use window in which a graph last ran (or borrowed) the model lent under it
-        self._touched: dict[str, int] = {}
         #: key -> (adopt callback of a member graph, weakly held; the weights' fingerprint)
         self._members: dict[str, list[tuple[weakref.WeakMethod[Any], str]]] = {}
 
-    def join(self, key: str, fingerprint: str, adopt: Callable[[str, str, weakref.ref[Any]], int]) -> bool:
+    def join(self, key: str, fingerprint: str, adopt: Callable[[str, weakref.ref[Any]], int]) -> bool:
         """Count a graph that builds under ``key`` for the weights ``fingerprint`` as a member; ``adopt``
-        (a bound method, held weakly) is called with the key, the fingerprint and a weak reference when
-        another member lends a model. Returns whether another graph is a member already."""
+        (a bound method, held weakly) is called with the fingerprint and a weak reference when another
+        member lends a model. Returns whether another graph is a member already."""
         with self._lock:
             members = self._members.setdefault(key, [])
             members[:] = [(ref, fp) for ref, fp in members if ref() is not None]
@@ -126,7 +116,7 @@ class SharedModels:
             ref = self._models[key] = weakref.ref(model)
             adopters = [(cb, fp) for cb, fp in ((r(), fp) for r, fp in self._members.get(key, []))
                         if cb is not None and cb != lender]
-        return sum(adopt(key, fp, ref) for adopt, fp in adopters)
+        return sum(adopt(fp, ref) for adopt, fp in adopters)
 
     def borrow(self, key: str) -> weakref.ref[Any] | None:
         """A weak reference to the model lent under ``key``, if its owner still holds it."""
@@ -134,26 +124,15 @@ class SharedModels:
             ref = self._models.get(key)
         return ref if ref is not None and ref() is not None else None
 
-    def touch(self, key: str, window: int) -> None:
-        """A graph ran or borrowed the model lent under ``key`` in use window ``window``."""
-        self._touched[key] = window
 
-    def touched(self, key: str) -> int:
-        """The use window in which another graph last ran or borrowed the model lent under ``key`` (-1: never)."""
-        return self._touched.get(key, -1)
-
-
-def borrowed_variant(ref: weakref.ref[Any], name: str, on_run: Callable[[], None] | None = None) -> Variant:
+def borrowed_variant(ref: weakref.ref[Any], name: str) -> Variant:
     """A variant that runs the model for all shapes ``ref`` points to (another graph's, see
-    :class:`SharedModels`): it holds none of its own, and is unusable once the owner released it.
-    ``on_run`` is called on each call (the owner learns that its model is in use)."""
+    :class:`SharedModels`): it holds none of its own, and is unusable once the owner released it."""
 
     def run(user: Sequence[Any]) -> Any:
         runner = ref()
         if runner is None:
             raise ModelReleased(f"{name}: the borrowed model was released")
-        if on_run is not None:
-            on_run()
         return tuple(runner(user))
 
     return Variant(run, in_openvino=True, releasable=True, compiled_for=BORROWED, usable=lambda: ref() is not None)
@@ -250,17 +229,12 @@ class WeightVariants:
             self._watch = weights.WeightWatch(weight_values)
             return fp, self._by_weights[fp]
 
-    def weights_changed(self) -> bool:
-        """Whether the weights of the last call changed since (written in place, or freed), without
-        being handed them: a graph not called for a while holds models of weights no longer there."""
-        return self._watch is not None and self._watch.stale()
-
     def current_store(self) -> dict[Any, Any] | None:
         """The variants of the weights the last call had (None before the first call)."""
         with self._lock:
             return self._by_weights.get(self._fingerprint) if self._fingerprint is not None else None
 
-    def adopt(self, fingerprint: str, ref: weakref.ref[Any], on_run: Callable[[], None] | None = None) -> int:
+    def adopt(self, fingerprint: str, ref: weakref.ref[Any]) -> int:
         """Run the model for all shapes ``ref`` points to (lent by another graph, see :class:`SharedModels`)
         for these weights' signatures that have a model compiled for them alone, which go; returns how
         many. Nothing when these weights have a model for all shapes of their own. Lock held."""
@@ -269,7 +243,7 @@ class WeightVariants:
             return 0
         per_shape = [key for key, v in found.items() if isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE]
         for key in per_shape:
-            found[key] = borrowed_variant(ref, self._name, on_run)
+            found[key] = borrowed_variant(ref, self._name)
         if per_shape:
             logger.info("%s: %d model(s) compiled for one shape go; another graph's model for all shapes runs "
                         "them", self._name, len(per_shape))

@@ -80,14 +80,6 @@ class WeightWatch:
                 return True
         return False
 
-    def stale(self) -> bool:
-        """True when any remembered tensor was freed or changed since (no tensors needed)."""
-        for state in self._states:
-            t = state[0]()
-            if t is None or not _same(t, state):
-                return True
-        return False
-
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()

@@ -10,8 +10,6 @@ code borrows the first one's model for all shapes, and that every result is stil
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -184,53 +182,3 @@ def test_the_machines_memory_is_read():
 def test_an_unknown_previous_weights_value_says_what_is_valid(tmp_path, value):
     with pytest.raises(ValueError, match=r"option 'previous_weights' must be one of \['auto', 'keep', 'release'\]"):
         f32_backend(tmp_path, previous_weights=value)
-
-
-def test_a_capture_not_called_lately_lets_go_of_weights_the_model_no_longer_has(tmp_path, caplog):
-    """The second capture (batch 1: a long prompt) is not called again; once the weights changed, the
-    first capture's builds release its model, which nothing else would (a graph releases when it builds)."""
-    backend = f32_backend(tmp_path, model_caching=False, previous_weights="release")
-    model = Block().eval()
-    compiled = torch.compile(model, backend=backend)
-    generation(backend, compiled, model, 8)
-    run(compiled, model, 1, 8)  # the second capture's model for all shapes, lent to the first
-    generation(backend, compiled, model, 12)  # same weights, two windows on: the second capture's model stays
-    generation(backend, compiled, model, 16)  # (the first capture borrows it for each new size)
-    assert backend.stats()["compiles"] == 2 and backend.stats()["released"] == 0
-    swap(model, other_weights(model, 1))
-    generation(backend, compiled, model, 16)  # other weights: a model of their own; the idle capture's model
-    assert backend.stats()["compiles"] == 3  # stays, the first one ran it in the window before
-    assert backend.stats()["released"] == 0
-    with caplog.at_level(logging.INFO, logger="ov_backend.compiled"):
-        generation(backend, compiled, model, 12)  # nobody ran it for two windows: it goes
-    assert backend.stats()["compiles"] == 4 and backend.stats()["released"] == 2  # it, and the 16-high one
-    assert "not called lately, and its weights changed since" in caplog.text
-    run(compiled, model, 1, 8)  # the second capture, called again: built for the new weights (eager's result)
-    assert backend.stats()["compiles"] == 5
-
-
-def test_a_lent_model_stays_while_a_borrower_runs_it_and_goes_after(tmp_path, caplog):
-    """As in the WebUI: a long prompt (batch 1) lends the UNet's model for all shapes to the batch-2 capture;
-    a checkpoint switch and back runs it again without a compile; two weight changes later nobody ran it
-    for two windows, and it goes."""
-    backend = f32_backend(tmp_path, model_caching=False, previous_weights="keep")
-    model = Block().eval()
-    compiled = torch.compile(model, backend=backend)
-    generation(backend, compiled, model, 8)
-    run(compiled, model, 1, 8)  # lent to the batch-2 capture, whose model for 8 high goes
-    a = swap(model, other_weights(model, 1))
-    generation(backend, compiled, model, 8)  # checkpoint B
-    assert backend.stats()["compiles"] == 3
-    swap(model, a)
-    generation(backend, compiled, model, 8)  # back to A: the batch-2 capture runs the lent model again
-    assert backend.stats()["compiles"] == 3
-    swap(model, other_weights(model, 2))
-    generation(backend, compiled, model, 8)  # a LoRA on A: A's model is the previous weights' (borrowed, kept)
-    assert backend.stats()["compiles"] == 4
-    released = backend.stats()["released"]
-    swap(model, other_weights(model, 3))
-    with caplog.at_level(logging.INFO, logger="ov_backend.compiled"):
-        generation(backend, compiled, model, 8)  # another weight: nobody ran A's model for two windows
-    assert backend.stats()["compiles"] == 5
-    assert "not called lately, and its weights changed since" in caplog.text
-    assert backend.stats()["released"] == released + 1  # the lent model (B's went with the two-set limit)
