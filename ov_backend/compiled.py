@@ -47,22 +47,11 @@ class CompiledGraph:
         self._lock = threading.RLock()
         self._weights = WeightVariants(self.inputs, name, context.digests, self._lock,
                                        on_hash=lambda s: context.stats.add(compile_seconds=s, hash_seconds=s))
-        self._builder = GraphBuilder(context, self.inputs, name, adopt=self._adopt)
+        self._builder = GraphBuilder(context, self.inputs, name)
         #: (weights fingerprint, signature) -> the use window of its last call
         self._last_used: dict[tuple[str, Any], int] = {}
         #: weights fingerprint -> the use window of its last call
         self._weights_used: dict[str, int] = {}
-
-    def _adopt(self, fingerprint: str, ref: Any) -> int:
-        """Another graph of the same code lent its model for all shapes of the weights ``fingerprint``:
-        this graph's models compiled for one shape of them go, their signatures run the lent one (see
-        :class:`~ov_backend.variants.SharedModels`). Returns how many went; 0 if the graph is busy building."""
-        if not self._lock.acquire(blocking=False):
-            return 0
-        try:
-            return self._weights.adopt(fingerprint, ref)
-        finally:
-            self._lock.release()
 
     def _release_unused(self, fingerprint: str) -> None:
         """Before a build for the weights ``fingerprint``: release compiled models no call used in the

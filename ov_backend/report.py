@@ -29,8 +29,6 @@ class PartitionReport:
             ``BackendSettings.shared_shapes``); ``reused``: it was compiled for an earlier shape.
         replaced: how many models compiled for one shape each it replaced when it was compiled (their
             shapes run it from then on).
-        replaced_elsewhere: how many models compiled for one shape it replaced in other graphs of the same
-            code and weights, to which it was lent (see :class:`ov_backend.variants.SharedModels`).
         borrowed: the model for all shapes is another graph's, captured from the same code and run with
             the same weights (see :class:`ov_backend.variants.SharedModels`): nothing compiled.
     """
@@ -50,7 +48,6 @@ class PartitionReport:
     calibration_samples: int = 0
     all_shapes: bool = False
     replaced: int = 0
-    replaced_elsewhere: int = 0
     borrowed: bool = False
 
 
@@ -136,11 +133,8 @@ class CompileReport:
             parts.append("the compiled model for all shapes of another graph of the same code and weights")
         elif any(p.all_shapes for p in self.partitions):
             replaced = sum(p.replaced for p in self.partitions)
-            elsewhere = sum(p.replaced_elsewhere for p in self.partitions)
             parts.append("one compiled model for all shapes"
-                         + (f" (replaces {replaced} compiled for one shape each)" if replaced else "")
-                         + (f" (lent to other graphs of the same code and weights, replacing {elsewhere} "
-                            "compiled for one shape there)" if elsewhere else ""))
+                         + (f" (replaces {replaced} compiled for one shape each)" if replaced else ""))
         quantized = [p for p in self.partitions if p.quantized]
         if self.route == "int8":
             parts = [f"{self.graph} {self.signature}: INT8 quantization"]

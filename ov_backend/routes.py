@@ -76,16 +76,12 @@ class GraphBuilder:
         context: what the backend lends (settings, cache, counters, report sink).
         inputs: the graph's inputs and outputs.
         name: the graph's name for logs and reports.
-        adopt: the graph's callback for a model for all shapes another graph lends (see
-            :class:`~ov_backend.variants.SharedModels`); None: this graph takes no part in lending.
     """
 
-    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str,
-                 adopt: Callable[[str, Any], int] | None = None) -> None:
+    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str) -> None:
         self.context = context
         self.inputs = inputs
         self.name = name
-        self._adopt = adopt
         self._graph_code = inputs.gm.code
         self._live: LiveModel | None = None
         #: why this graph's dynamic conversion failed or cannot work (a property of the graph: never tried again)
@@ -158,14 +154,13 @@ class GraphBuilder:
                                {"graph": self._graph_code, "dims": dims, "weights": "inputs" if free else "baked"},
                                for_device=False)
 
-        share_key, sibling = None, False
-        if (self._adopt is not None and not self._int8 and context.settings.shared_shapes != "never"
-                and not self._sharing_failed):
+        share_key, recapture = None, False
+        if not self._int8 and context.settings.shared_shapes != "never" and not self._sharing_failed:
             # the model for all shapes of these weights, under a key another capture of the same code finds
             share_key = context.key("dynamic for all shapes", [(len(s[0]), s[1]) for s in sig], fingerprint,
                                     {"graph": self._graph_code, "dims": dims})
-            sibling = context.shared.join(share_key, fingerprint, self._adopt)
-            if ALL_SHAPES_MODEL not in variants:
+            recapture = context.shared.join(share_key, self.name)
+            if ALL_SHAPES_MODEL not in variants and self._shares_shapes(sig, variants, recapture):
                 borrowed = self._borrowed(share_key, part, report)
                 if borrowed is not None:
                     return borrowed
@@ -226,7 +221,7 @@ class GraphBuilder:
             quantized = self._int8_model(variants, None, int8_key, part)
             if quantized is not None:
                 base = quantized
-        if int8_key is None and self._shares_shapes(sig, variants, sibling):
+        if int8_key is None and self._shares_shapes(sig, variants, recapture):
             variant = self._for_all_shapes(base, variants, part, report, share_key)
             if variant is not None:
                 return variant
@@ -249,18 +244,18 @@ class GraphBuilder:
             variant = self._recording(variant, variants, None, base, int8_key, report, list)
         return variant
 
-    def _shares_shapes(self, sig: tuple[Any, ...], variants: dict[Any, Any], sibling: bool = False) -> bool:
+    def _shares_shapes(self, sig: tuple[Any, ...], variants: dict[Any, Any], recapture: bool = False) -> bool:
         """Whether ``sig`` runs the weights set's model for all shapes (``BackendSettings.shared_shapes``):
         it exists already, or "always", or under "auto" on the CPU a model compiled for another shape is
-        still held (the caller released those no call used in the current use window), or another graph
-        of the same code built for these weights (``sibling``: the model is lent to it, see
+        still held (the caller released those no call used in the current use window), or this graph
+        re-captures code another graph built for these weights (``recapture``, see
         :class:`~ov_backend.variants.SharedModels`)."""
         mode = self.context.settings.shared_shapes
         if mode == "never" or self._sharing_failed:
             return False
         if mode == "always" or ALL_SHAPES_MODEL in variants:
             return True
-        return self.context.settings.device == "CPU" and (sibling or any(
+        return self.context.settings.device == "CPU" and (recapture or any(
             isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE and key != sig for key, v in variants.items()))
 
     def _for_all_shapes(self, base: ov.Model, variants: dict[Any, Any], part: PartitionReport,
@@ -281,7 +276,7 @@ class GraphBuilder:
                 return None
             runner = variants[ALL_SHAPES_MODEL] = OVRunner(compiled, self.inputs.output_dtypes())
             if share_key is not None:
-                part.replaced_elsewhere = self.context.shared.lend(share_key, runner, self._adopt)
+                self.context.shared.lend(share_key, runner)
             per_shape = [key for key, v in variants.items()
                          if isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE]
             for key in per_shape:

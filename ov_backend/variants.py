@@ -84,39 +84,34 @@ class SharedModels:
     and compiling it costs seconds). The key names the graph's code, its dynamic dimensions, the
     weights' fingerprint and the settings that change a compiled model.
 
-    Graphs that build under a key :meth:`join` it. The graph that compiles a model for all shapes
-    owns it and :meth:`lend` s it: the other members adopt it in place of the models they compiled
-    for one shape each of those weights, and later borrow it for new shapes. Borrowers hold a weak
-    reference, so the model goes when its owner releases it (a borrower then builds its own).
+    Graphs that build under a key :meth:`join` it; one that joins after another is a re-capture, which
+    needs several shapes at once (a long prompt's cond and uncond lengths), so it shares from its first
+    shape. The graph that compiles a model for all shapes owns it and :meth:`lend` s it; the others
+    borrow it where they would share shapes themselves, through a weak reference, so the model goes
+    when its owner releases it (a borrower then builds its own).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._models: dict[str, weakref.ref[Any]] = {}
-        #: key -> (adopt callback of a member graph, weakly held; the weights' fingerprint)
-        self._members: dict[str, list[tuple[weakref.WeakMethod[Any], str]]] = {}
+        #: key -> the names of the graphs that built under it, first first
+        self._members: dict[str, list[str]] = {}
 
-    def join(self, key: str, fingerprint: str, adopt: Callable[[str, weakref.ref[Any]], int]) -> bool:
-        """Count a graph that builds under ``key`` for the weights ``fingerprint`` as a member; ``adopt``
-        (a bound method, held weakly) is called with the fingerprint and a weak reference when another
-        member lends a model. Returns whether another graph is a member already."""
+    def join(self, key: str, graph: str) -> bool:
+        """Count the graph named ``graph`` as building under ``key``; returns whether another graph built
+        under it before this one did (this one is a re-capture of the same code and weights)."""
         with self._lock:
             members = self._members.setdefault(key, [])
-            members[:] = [(ref, fp) for ref, fp in members if ref() is not None]
-            if not any(ref() == adopt for ref, _ in members):
-                members.append((weakref.WeakMethod(adopt), fingerprint))  # type: ignore[arg-type]
-            return any(ref() != adopt for ref, _ in members)
+            if graph not in members:
+                members.append(graph)
+            return members[0] != graph
 
-    def lend(self, key: str, model: Any, lender: Callable[..., int] | None = None) -> int:
-        """Offer ``model`` (held by its owner, whose adopt callback is ``lender``) under ``key``; the other
-        members adopt it. Returns how many models compiled for one shape it replaced in them."""
+    def lend(self, key: str, model: Any) -> None:
+        """Offer ``model`` (held by its owner) under ``key``."""
         with self._lock:
             for k in [k for k, ref in self._models.items() if ref() is None]:
                 del self._models[k]
-            ref = self._models[key] = weakref.ref(model)
-            adopters = [(cb, fp) for cb, fp in ((r(), fp) for r, fp in self._members.get(key, []))
-                        if cb is not None and cb != lender]
-        return sum(adopt(fp, ref) for adopt, fp in adopters)
+            self._models[key] = weakref.ref(model)
 
     def borrow(self, key: str) -> weakref.ref[Any] | None:
         """A weak reference to the model lent under ``key``, if its owner still holds it."""
@@ -233,21 +228,6 @@ class WeightVariants:
         """The variants of the weights the last call had (None before the first call)."""
         with self._lock:
             return self._by_weights.get(self._fingerprint) if self._fingerprint is not None else None
-
-    def adopt(self, fingerprint: str, ref: weakref.ref[Any]) -> int:
-        """Run the model for all shapes ``ref`` points to (lent by another graph, see :class:`SharedModels`)
-        for these weights' signatures that have a model compiled for them alone, which go; returns how
-        many. Nothing when these weights have a model for all shapes of their own. Lock held."""
-        found = self._by_weights.get(fingerprint)
-        if found is None or ALL_SHAPES_MODEL in found:
-            return 0
-        per_shape = [key for key, v in found.items() if isinstance(v, Variant) and v.compiled_for == FOR_ONE_SHAPE]
-        for key in per_shape:
-            found[key] = borrowed_variant(ref, self._name)
-        if per_shape:
-            logger.info("%s: %d model(s) compiled for one shape go; another graph's model for all shapes runs "
-                        "them", self._name, len(per_shape))
-        return len(per_shape)
 
     def release(self, unused: set[tuple[str, Any]]) -> int:
         """Drop the releasable variants ``(fingerprint, signature)`` in ``unused``; returns how many.
