@@ -218,6 +218,7 @@ class OVBackend:
         with self._lock:
             self._graphs.clear()
             self._reports.clear()
+        self.build_context.shared.clear()
         self.stats_counter.reset()
         self.digests.clear()
 

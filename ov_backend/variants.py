@@ -119,6 +119,12 @@ class SharedModels:
             ref = self._models.get(key)
         return ref if ref is not None and ref() is not None else None
 
+    def clear(self) -> None:
+        """Forget every member and lent model (the backend's graphs were dropped)."""
+        with self._lock:
+            self._models.clear()
+            self._members.clear()
+
 
 def borrowed_variant(ref: weakref.ref[Any], name: str) -> Variant:
     """A variant that runs the model for all shapes ``ref`` points to (another graph's, see
