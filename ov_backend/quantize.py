@@ -25,6 +25,8 @@ import numpy as np
 import openvino as ov
 import torch
 
+from ov_backend.rewrites import fold_weight_splits
+
 logger = logging.getLogger(__name__)
 
 #: The NNCF release the INT8 precision is built and tested with.
@@ -169,8 +171,10 @@ def quantize(model: ov.Model, samples: Sequence[Sequence[np.ndarray]]) -> ov.Mod
         from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
 
         exact = exact_int8_dot_products()
+        model = model.clone()
+        fold_weight_splits(model)  # NNCF finds a projection's weight as a constant, not behind a split
         return nncf.quantize(
-            model.clone(),
+            model,
             nncf.Dataset(list(samples)),
             preset=nncf.QuantizationPreset.MIXED,
             model_type=nncf.ModelType.TRANSFORMER,

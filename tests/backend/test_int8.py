@@ -19,11 +19,12 @@ import textwrap
 import weakref
 from pathlib import Path
 
+import numpy as np
 import openvino as ov
 import pytest
 import torch
 
-from ov_backend import OVBackend, build_settings, quantize
+from ov_backend import OVBackend, build_settings, quantize, rewrites
 
 #: Relative L2 error of the INT8 model's output against eager f32, RMS over inputs (see the module docstring).
 INT8_REL_ERROR = 0.05
@@ -346,3 +347,45 @@ def test_the_attention_keeps_float_inputs_without_vnni(isa_cap, monkeypatch):
     fed = [_source_type(attention, i) for i in range(attention.get_input_size())]
     assert ("FakeQuantize" in fed) == (not isa_cap), fed
     assert any(_source_type(op, 0) == "FakeQuantize" for op in ops if op.get_type_name() == "Convolution")
+
+
+class ProjectedFeedForward(torch.nn.Module):
+    """A projection in, a GEGLU feed-forward (its projection split in two by the backend), a projection out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.proj, self.mid, self.out = (torch.nn.Linear(16, 16), torch.nn.Linear(16, 64),
+                                                    torch.nn.Linear(32, 16), torch.nn.Linear(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, gate = self.proj(self.inp(x)).chunk(2, dim=-1)
+        return self.out(self.mid(hidden * torch.nn.functional.gelu(gate)))
+
+
+def test_the_sections_of_a_split_projection_are_quantized_like_any_projection():
+    if not quantize.exact_int8_dot_products():
+        pytest.skip("without VNNI the quantizer keeps matmuls at float")
+    module = ProjectedFeedForward().eval()
+    x = [torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
+    with torch.no_grad():
+        model = ov.convert_model(module, example_input=(x[0],), input=[(2, 9, 16)])
+        want = module(x[3]).numpy()
+    assert rewrites.split_projections(model) == 1
+    quantized = quantize.quantize(model, [[t.numpy()] for t in x[:3]])
+    sections = [op for op in quantized.get_ordered_ops() if op.get_type_name() == "MatMul"
+                and "/section" in op.get_friendly_name()]
+    assert len(sections) == 2
+    for section in sections:
+        assert _source_type(section, 0) == "FakeQuantize" and _weight_source(section) in ("FakeQuantize", "i8")
+    got = ov.Core().compile_model(quantized, "CPU")(x[3].numpy())[0]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < INT8_REL_ERROR
+
+
+def _weight_source(op: ov.Node) -> str:
+    """A matmul's weight: "FakeQuantize", or the element type of the constant behind converts and scales."""
+    node = op.input_value(1).get_node()
+    while node.get_type_name() in ("Convert", "Reshape", "Transpose", "Multiply", "Subtract"):
+        node = node.input_value(0).get_node()
+    kind = node.get_type_name()
+    return kind if kind != "Constant" else node.get_output_element_type(0).get_type_name()

@@ -1,0 +1,183 @@
+"""A projection split along its features runs as one projection per section, with the same results.
+
+Every transformer block of an SD UNet has a GEGLU (``proj(x).chunk(2, -1)``, then ``a * gelu(b)``);
+OpenVINO's CPU plugin copied the whole projection for the split with a reference kernel. The backend
+rewrites it into two projections that read their rows of the weight (``ov_backend.rewrites``). These
+tests pin down that the results stay the eager ones, that a weight changed in place (a LoRA) reaches
+both sections, that the model stored on disk holds the rewrite and no weights, and that the rewrite
+leaves alone what it cannot prove to be the same computation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import pytest
+import torch
+
+from ov_backend.rewrites import fold_weight_splits, split_projections
+
+from .conftest import F32_ATOL, F32_RTOL, f32_backend
+
+F32 = {"INFERENCE_PRECISION_HINT": "f32"}
+
+
+class FeedForward(torch.nn.Module):
+    """A diffusion transformer's feed-forward: a GEGLU projection, then the output projection."""
+
+    def __init__(self, dim: int = 16, inner: int = 24, bias: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(dim, inner * 2, bias=bias)
+        self.out = torch.nn.Linear(inner, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, gate = self.proj(x).chunk(2, dim=-1)
+        return self.out(hidden * torch.nn.functional.gelu(gate))
+
+
+def call(compiled, model, tokens: int) -> torch.Tensor:
+    x = torch.randn(2, tokens, 16)
+    torch._dynamo.maybe_mark_dynamic(x, 1)
+    with torch.no_grad():
+        got = compiled(x)
+        torch.testing.assert_close(got, model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    return got
+
+
+def stored_models(backend) -> list[ov.Model]:
+    core = ov.Core()
+    return [core.read_model(str(e.path / "model.xml")) for e in backend.cache.entries()]
+
+
+def splits_of_projections(model: ov.Model) -> int:
+    return sum(1 for op in model.get_ordered_ops() if op.get_type_name() in ("VariadicSplit", "Split")
+               and op.input_value(0).get_node().get_type_name() in ("Add", "MatMul"))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_split_projection_runs_as_two_and_gives_the_eager_result(tmp_path, bias):
+    model = FeedForward(bias=bias).eval()
+    backend = f32_backend(tmp_path, model_caching=True)
+    compiled = torch.compile(model, backend=backend)
+    call(compiled, model, 7)
+    call(compiled, model, 12)
+    assert backend.stats()["eager_calls"] == 0 and backend.stats()["ov_calls"] == 2
+    stored = stored_models(backend)
+    assert stored, "the converted model was stored"
+    for m in stored:
+        matmuls = [op for op in m.get_ordered_ops() if op.get_type_name() == "MatMul"]
+        assert splits_of_projections(m) == 0 and len(matmuls) == 3
+        # the weights are not in the file: the sections read them through a split of the weight input
+        assert all(op.input_value(1).get_node().get_type_name() in ("VariadicSplit", "Parameter") for op in matmuls)
+
+
+def test_without_the_rewrite_the_split_stays_and_the_results_are_the_same(tmp_path):
+    model = FeedForward().eval()
+    backend = f32_backend(tmp_path, model_caching=True, rewrites=[])
+    compiled = torch.compile(model, backend=backend)
+    call(compiled, model, 7)
+    call(compiled, model, 12)
+    stored = stored_models(backend)
+    assert stored and all(splits_of_projections(m) == 1 for m in stored)
+
+
+def test_a_weight_changed_in_place_reaches_both_sections(tmp_path):
+    """A LoRA writes into the projection's weight; the next call computes with the new values."""
+    model = FeedForward().eval()
+    compiled = torch.compile(model, backend=f32_backend(tmp_path))
+    before = call(compiled, model, 9)
+    with torch.no_grad():
+        model.proj.weight.add_(torch.randn_like(model.proj.weight) * 0.2)
+        model.proj.bias.mul_(-1.0)
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        got = compiled(x)
+        torch.testing.assert_close(got, model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    assert not torch.allclose(got, before)
+
+
+def projection(weight: np.ndarray, bias: np.ndarray | None, axis: int = -1, tokens: int = 5,
+               weight_input: bool = False) -> tuple[ov.Model, list[np.ndarray]]:
+    """``split(x @ weight.T + bias, axis)`` in halves, then ``a * gelu(b)``, as an OpenVINO model (the
+    weight as a model input of dynamic shape with ``weight_input``); returns it and its input values."""
+    x = ops.parameter([2, tokens, weight.shape[1]], np.float32, name="x")
+    params, values = [x], [np.random.default_rng(0).standard_normal((2, tokens, weight.shape[1]), np.float32)]
+    if weight_input:
+        w = ops.parameter(ov.PartialShape([-1, -1]), np.float32, name="w")
+        params.append(w)
+        values.append(weight)
+    else:
+        w = ops.constant(weight)
+    out = ops.matmul(x, w, False, True)
+    if bias is not None:
+        out = ops.add(out, ops.constant(bias))
+    length = out.get_output_partial_shape(0)[axis].get_length() if axis != -1 else weight.shape[0]
+    halves = ops.variadic_split(out, ops.constant(np.int64(axis)), ops.constant(np.array([length // 2] * 2)))
+    result = ops.multiply(halves.output(0), ops.gelu(halves.output(1), "erf"))
+    return ov.Model([result], params), values
+
+
+def run(model: ov.Model, values: list[np.ndarray]) -> np.ndarray:
+    return ov.Core().compile_model(model.clone(), "CPU", F32)(values)[0]
+
+
+def test_the_rewrite_gives_the_same_values():
+    rng = np.random.default_rng(1)
+    model, values = projection(rng.standard_normal((12, 8), np.float32), rng.standard_normal(12, np.float32))
+    want = run(model, values)
+    assert split_projections(model) == 1 and splits_of_projections(model) == 0
+    np.testing.assert_allclose(run(model, values), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["broadcast bias", "bias per token", "not the feature axis", "read elsewhere",
+                                  "weight shape unknown"])
+def test_what_the_rewrite_cannot_prove_the_same_is_left_alone(case):
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((12, 8), np.float32)
+    bias = {"broadcast bias": rng.standard_normal(1, np.float32),
+            "bias per token": rng.standard_normal((5, 1), np.float32)}.get(case, rng.standard_normal(12, np.float32))
+    if case == "weight shape unknown":
+        bias = None  # (the CPU plugin cannot compile a bias after a weight input of dynamic shape)
+    model, values = projection(weight, bias, axis=1 if case == "not the feature axis" else -1,
+                               tokens=6 if case == "not the feature axis" else 5,
+                               weight_input=case == "weight shape unknown")
+    if case == "read elsewhere":  # the whole projection is also an output
+        split = next(op for op in model.get_ordered_ops() if op.get_type_name() == "VariadicSplit")
+        model.add_outputs([split.input_value(0)])
+    want = run(model, values)
+    assert split_projections(model) == 0
+    np.testing.assert_allclose(run(model, values), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_weight_input_of_known_shape_is_split_and_binds_later():
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((12, 8), np.float32)
+    model, values = projection(weight, None, weight_input=True)
+    want = run(model, values)
+    assert split_projections(model, [v.shape for v in values]) == 1
+    np.testing.assert_allclose(run(model, values), want, rtol=1e-6, atol=1e-6)
+    assert split_projections(model, [(2, 5, 8)]) == 0  # shapes that do not name every input: nothing
+
+
+def test_folding_the_weight_splits_leaves_constants_and_the_values():
+    rng = np.random.default_rng(4)
+    model, values = projection(rng.standard_normal((12, 8), np.float32), rng.standard_normal(12, np.float32))
+    want = run(model, values)
+    assert split_projections(model) == 1
+    assert fold_weight_splits(model) == 2  # the weight's split and the bias's
+    matmuls = [op for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"]
+    assert [op.input_value(1).get_node().get_type_name() for op in matmuls] == ["Constant", "Constant"]
+    np.testing.assert_allclose(run(model, values), want, rtol=1e-6, atol=1e-6)
+
+
+def test_folding_keeps_a_bf16_constant_bf16():
+    bits = np.arange(24, dtype=np.uint16).reshape(4, 6) + 0x3F80  # bf16 patterns around 1.0
+    weight = ov.op.Constant(ov.Tensor(bits, [4, 6], ov.Type.bf16))
+    halves = ops.variadic_split(weight, ops.constant(np.int64(1)), ops.constant(np.array([2, 4])))
+    model = ov.Model([ops.convert(halves.output(i), ov.Type.f32) for i in range(2)], [])
+    assert fold_weight_splits(model) == 1
+    folded = [result.input_value(0).get_node().input_value(0).get_node() for result in model.get_results()]
+    assert [op.get_output_element_type(0) for op in folded] == [ov.Type.bf16, ov.Type.bf16]
+    assert [op.get_data().view(np.uint16).tolist() for op in folded] == [bits[:, :2].tolist(), bits[:, 2:].tolist()]
