@@ -9,6 +9,10 @@
 * ``static``: ``openvino.convert_model(module, example_input=...)`` + ``Core.compile_model``,
   the ceiling: one model for exactly these input shapes, no per-call guard or bookkeeping.
 
+A backend variant named with a third part, ``/plain`` (``ov_dynamic/auto/plain``), converts without the
+backend's graph rewrites (its option ``rewrites=[]``, see ``ov_backend.rewrites``): what they gain, measured
+in the same run.
+
 The OpenVINO variants run at a precision: "auto" (no ``INFERENCE_PRECISION_HINT``: the CPU
 plugin picks bf16 on CPUs that have it) or "f32"; ``ov_backend`` and ``ov_dynamic`` also at "int8"
 (NNCF, see ``ov_backend.quantize``): their first call first runs :data:`INT8_CALIBRATION_CALLS` calls
@@ -40,6 +44,8 @@ KINDS: tuple[str, ...] = ("eager", "ov_backend", "ov_dynamic", "ov_shared", "sta
 #: kinds run by ov_backend
 BACKEND_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic", "ov_shared"})
 PRECISIONS: tuple[str, ...] = ("auto", "f32", "int8")
+#: the third part of a backend variant's name that turns the backend's graph rewrites off
+PLAIN = "plain"
 #: kinds that run at "int8"
 INT8_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic"})
 #: calls recorded (at float) before an int8 variant quantizes
@@ -57,14 +63,18 @@ class VariantSpec:
     Attributes:
         kind: one of :data:`KINDS`.
         precision: "auto" or "f32" for OpenVINO kinds; "fp32" for eager.
+        rewrites: a backend kind applies the backend's graph rewrites (False: the ``/plain`` variant).
     """
 
     kind: str
     precision: str = "fp32"
+    rewrites: bool = True
 
     @property
     def name(self) -> str:
-        return self.kind if self.kind == "eager" else f"{self.kind}/{self.precision}"
+        if self.kind == "eager":
+            return self.kind
+        return f"{self.kind}/{self.precision}" + ("" if self.rewrites else f"/{PLAIN}")
 
     @property
     def config(self) -> dict[str, str]:
@@ -80,12 +90,13 @@ class VariantSpec:
 
 
 def parse_variant(name: str) -> VariantSpec:
-    """``"eager"``, ``"static/auto"``, ``"ov_backend/f32"`` ... -> a spec.
+    """``"eager"``, ``"static/auto"``, ``"ov_backend/f32"``, ``"ov_dynamic/int8/plain"`` ... -> a spec.
 
     Raises:
-        ValueError: an unknown kind or precision, naming the valid ones.
+        ValueError: an unknown kind, precision or third part, naming the valid ones.
     """
     kind, _, precision = name.partition("/")
+    precision, _, variation = precision.partition("/")
     if kind not in KINDS:
         raise ValueError(f"unknown variant kind {kind!r} in {name!r}; known: {', '.join(KINDS)}")
     if kind == "eager":
@@ -96,7 +107,10 @@ def parse_variant(name: str) -> VariantSpec:
         raise ValueError(f"unknown precision {precision!r} in {name!r}; use {kind}/auto or {kind}/f32")
     if precision == "int8" and kind not in INT8_KINDS:
         raise ValueError(f"{name!r}: int8 is a precision of {' and '.join(sorted(INT8_KINDS))} only")
-    return VariantSpec(kind, precision)
+    if variation and (variation != PLAIN or kind not in BACKEND_KINDS):
+        raise ValueError(f"{name!r}: the only third part is {PLAIN!r} (no graph rewrites), for "
+                         f"{', '.join(sorted(BACKEND_KINDS))} only")
+    return VariantSpec(kind, precision, rewrites=not variation)
 
 
 @dataclass
@@ -195,6 +209,8 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
         options.update(precision="int8", calibration_samples=INT8_CALIBRATION_CALLS)
     # one shape per run: "auto" compiles ov_dynamic per shape, as a generation at one size does
     options["shared_shapes"] = "always" if spec.kind == "ov_shared" else "auto"
+    if not spec.rewrites:
+        options["rewrites"] = []
     backend = OVBackend(options)
     compiled = torch.compile(module, backend=backend, dynamic=dynamic)
     marked = spec.kind in ("ov_dynamic", "ov_shared")

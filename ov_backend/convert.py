@@ -8,6 +8,8 @@ Two routes, both through openvino's public PyTorch frontend:
 * dynamic: the whole graph is traced once with its symbolic dimensions kept dynamic
   (:func:`trace_dynamic`; ``torch.export`` where that fails) and converted once
   (:func:`convert_dynamic`); each input shape then costs only a reshape and a compile.
+
+Every converted model goes through :mod:`ov_backend.rewrites` (the same computation, faster to run).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 
+from ov_backend import rewrites
 from ov_backend.ops import OpenVINOSupport, node_op_name
 from ov_backend.portable import sizes_may_be_one
 
@@ -178,11 +181,13 @@ def _frontend_convert(decoder: TorchFXPythonDecoder) -> ov.Model:
         raise ConversionError(f"OpenVINO could not convert the graph: {err}") from err
 
 
-def convert_partition(sub: torch.fx.GraphModule) -> ov.Model:
-    """Convert one partition (an FX graph of supported aten ops, constants inlined)."""
+def convert_partition(sub: torch.fx.GraphModule, rewrite_names: Sequence[str] = rewrites.REWRITES) -> ov.Model:
+    """Convert one partition (an FX graph of supported aten ops, constants inlined), then apply the
+    rewrites named in ``rewrite_names`` (:mod:`ov_backend.rewrites`)."""
     decoder = TorchFXPythonDecoder(sub)
     model = _frontend_convert(decoder)
     del decoder
+    rewrites.apply(model, rewrite_names)
     return model
 
 
@@ -282,7 +287,8 @@ def trace_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynami
 
 
 def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynamic_dims: Sequence[Sequence[int]],
-                    decompositions: dict[Any, Callable[..., Any]]) -> ov.Model:
+                    decompositions: dict[Any, Callable[..., Any]],
+                    rewrite_names: Sequence[str] = rewrites.REWRITES) -> ov.Model:
     """Convert ``fn`` once with the given dimensions of each input dynamic.
 
     The graph is traced once with symbolic sizes (:func:`trace_dynamic`) and converted; if that fails,
@@ -295,6 +301,7 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dyna
         inputs: example tensors.
         dynamic_dims: for each input, the dimensions to keep dynamic.
         decompositions: the static route's decomposition table (the one-trace conversion adds to it).
+        rewrite_names: the rewrites (:mod:`ov_backend.rewrites`) applied to the converted model.
 
     Raises:
         ConversionError: export or conversion failed.
@@ -304,6 +311,7 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dyna
         decoder = TorchFXPythonDecoder(traced, dynamic_shapes=True)
         model = _frontend_convert(decoder)
         del decoder
+        rewrites.apply(model, rewrite_names, [tuple(t.shape) for t in inputs])
         return model
     except ConversionError as err:
         # the frontend's summary lines ("-- No conversion rule found for ...", "-- Conversion is failed for
@@ -325,11 +333,13 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dyna
         raise ConversionError(f"torch.export could not capture the graph: {type(err).__name__}: {err}") \
             from err
     try:
-        return ov.convert_model(program)
+        model = ov.convert_model(program)
     except OpConversionFailure as err:
         raise _conversion_error("the exported graph", err) from err
     except Exception as err:  # the converter raises plain Exceptions for unsupported programs
         raise ConversionError(f"OpenVINO could not convert the exported graph: {err}") from err
+    rewrites.apply(model, rewrite_names)
+    return model
 
 
 def symbolic_min_max(gm: torch.fx.GraphModule) -> list[str]:

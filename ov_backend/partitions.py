@@ -171,7 +171,7 @@ class StaticBuild:
         if model is None:
             start = time.perf_counter()
             try:
-                model = convert.convert_partition(sub)
+                model = convert.convert_partition(sub, context.settings.rewrites)
             except convert.ConversionError as err:
                 part.in_openvino = False
                 if err.unconverted:

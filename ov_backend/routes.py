@@ -330,7 +330,8 @@ class GraphBuilder:
         if weight_free:
             try:
                 model = convert.convert_dynamic(self.inputs.taking_weights(), [*user_values, *weight_values],
-                                                [*dims, *([()] * len(weight_values))], self._decomp)
+                                                [*dims, *([()] * len(weight_values))], self._decomp,
+                                                self.context.settings.rewrites)
             except convert.ConversionError as err:
                 logger.info("%s: could not convert with the weights as inputs (%s); converting with them as "
                             "constants", self.name, str(err).splitlines()[0])
@@ -346,7 +347,8 @@ class GraphBuilder:
                         self.context.cache.clear([key])
                 logger.info("%s: the model converted with the weights as inputs did not take them back; "
                             "converting with them as constants", self.name)
-        return convert.convert_dynamic(self.inputs.closure(weight_values, {}), user_values, dims, self._decomp), False
+        return convert.convert_dynamic(self.inputs.closure(weight_values, {}), user_values, dims, self._decomp,
+                                       self.context.settings.rewrites), False
 
     def _dynamic_failure_key(self, sig: tuple[Any, ...]) -> str:
         """The key under which a failed dynamic conversion of this graph is remembered (no weights in it)."""

@@ -19,6 +19,7 @@ from typing import Any
 from ov_backend import devices, ops, quantize
 from ov_backend.files import user_cache_root
 from ov_backend.precision import DEFAULT_PRECISION, PRECISION_CONFIG, PRECISIONS, QUANTIZED_PRECISIONS
+from ov_backend.rewrites import REWRITES
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,9 @@ class BackendSettings:
             machine's memory is available (:mod:`ov_backend.memory`; a 16 GB machine running SD 1.5
             seldom has that, a 24 GB one does), released otherwise or where memory cannot be read;
             "keep"; "release".
+        rewrites: the graph rewrites (:mod:`ov_backend.rewrites`) applied to each converted model, by
+            name (default: all of :data:`ov_backend.rewrites.REWRITES`); each computes the same values
+            faster, and an empty list converts the graph as the frontend gives it.
     """
 
     device: str = "CPU"
@@ -107,6 +111,7 @@ class BackendSettings:
     calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
     shared_shapes: str = "auto"
     previous_weights: str = "auto"
+    rewrites: tuple[str, ...] = REWRITES
 
     @property
     def config_dict(self) -> dict[str, str]:
@@ -119,6 +124,7 @@ class BackendSettings:
             "decompositions": list(self.decompositions),
             "disabled_ops": list(self.disabled_ops),
             "aot_autograd": self.aot_autograd,
+            "rewrites": list(self.rewrites),
         }
 
     def result_key(self) -> dict[str, Any]:
@@ -222,6 +228,21 @@ def _check_ops(name: str, values: Any, *, known: frozenset[str] | None) -> tuple
     return tuple(sorted(set(names)))
 
 
+def _check_rewrites(values: Any) -> tuple[str, ...]:
+    if values is None:
+        return REWRITES
+    if isinstance(values, str):
+        values = [values] if values.strip() else []
+    if not isinstance(values, (list, tuple, set, frozenset)):
+        raise ValueError(f"option 'rewrites' must be a list of rewrite names (some of {list(REWRITES)}, "
+                         f"or [] for none), got {values!r}")
+    unknown = [v for v in values if v not in REWRITES]
+    if unknown:
+        raise ValueError(f"option 'rewrites': unknown rewrite(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(REWRITES)} ([] applies none)")
+    return tuple(name for name in REWRITES if name in values)
+
+
 def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -> BackendSettings:
     """Build validated settings from ``torch.compile(..., options=...)``.
 
@@ -267,6 +288,7 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
         strict=_as_bool("strict", merged.get("strict", False)),
         shared_shapes=_as_choice("shared_shapes", merged.get("shared_shapes", "auto"), SHARED_SHAPES),
         previous_weights=_as_choice("previous_weights", merged.get("previous_weights", "auto"), PREVIOUS_WEIGHTS),
+        rewrites=_check_rewrites(merged.get("rewrites")),
         min_partition_ops=_as_count("min_partition_ops", merged.get("min_partition_ops", DEFAULT_MIN_PARTITION_OPS),
                                     minimum=1, meaning="partitions with fewer aten ops run in PyTorch; "
                                                        "1 sends every partition to OpenVINO"),

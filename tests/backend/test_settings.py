@@ -28,7 +28,21 @@ def test_defaults(monkeypatch):
 def test_option_names_are_the_stock_set_plus_ours():
     assert set(OPTION_NAMES) == {"device", "model_caching", "cache_dir", "config", "precision", "decompositions",
                                  "disabled_ops", "aot_autograd", "strict", "min_partition_ops",
-                                 "calibration_samples", "shared_shapes", "previous_weights"}
+                                 "calibration_samples", "shared_shapes", "previous_weights", "rewrites"}
+
+
+def test_rewrites_are_named_and_all_applied_by_default():
+    from ov_backend.rewrites import REWRITES
+
+    assert build_settings().rewrites == REWRITES and REWRITES
+    assert build_settings({"rewrites": []}).rewrites == ()
+    assert build_settings({"rewrites": list(REWRITES)}).rewrites == REWRITES
+    # a model converted without a rewrite is another model: the cache keys differ
+    assert build_settings({"rewrites": []}).conversion_key() != build_settings().conversion_key()
+    with pytest.raises(ValueError, match=r"unknown rewrite\(s\) 'fuse_everything'; known: split_projections"):
+        build_settings({"rewrites": ["fuse_everything"]})
+    with pytest.raises(ValueError, match="must be a list of rewrite names"):
+        build_settings({"rewrites": 3})
 
 
 def test_unknown_option_is_named():

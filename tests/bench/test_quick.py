@@ -72,6 +72,12 @@ def test_settings_reject_bad_values():
         build_settings({"variants": ["static/auto"]})
     with pytest.raises(ValueError, match="unknown precision"):
         build_settings({"variants": ["eager", "static/fp16"]})
+    with pytest.raises(ValueError, match="the only third part is 'plain'"):
+        build_settings({"variants": ["eager", "static/auto/plain"]})
+    with pytest.raises(ValueError, match="the only third part is 'plain'"):
+        build_settings({"variants": ["eager", "ov_dynamic/auto/fast"]})
+    assert build_settings({"variants": ["eager", "ov_dynamic/int8/plain"]}).variants == (
+        "eager", "ov_dynamic/int8/plain")
     with pytest.raises(ValueError, match="unknown benchmark setting"):
         build_settings({"round": 3})
     assert build_settings({"quick": True}).size == 64
@@ -83,7 +89,7 @@ def test_quick_dynamic_variant_takes_the_webuis_route(tmp_path):
     """ov_dynamic marks batch, height and width dynamic before the first call, as the WebUI adapter does:
     its UNet is converted once with dynamic shapes (the "dynamic" route), and matches ov_backend's result."""
     results, table = _run(tmp_path, "--components", "unet", "--only", "components", "--variants", "eager",
-                          "ov_backend/f32", "ov_dynamic/f32", "ov_shared/f32", "static/f32")
+                          "ov_backend/f32", "ov_dynamic/f32", "ov_dynamic/f32/plain", "ov_shared/f32", "static/f32")
     variants = results["components"]["unet"]["variants"]
     dynamic = variants["ov_dynamic/f32"]
     assert dynamic["errors"] == [] and dynamic["finite"] is True
@@ -97,6 +103,11 @@ def test_quick_dynamic_variant_takes_the_webuis_route(tmp_path):
     assert all("one compiled model for all shapes" in r for r in shared["info"]["reports"]), shared["info"]
     assert not any("one compiled model for all shapes" in r for r in dynamic["info"]["reports"])
     assert "| ov_shared/f32 |" in table
+    # without the backend's graph rewrites: the same route and result
+    plain = variants["ov_dynamic/f32/plain"]
+    assert plain["errors"] == [] and plain["rel_l2_vs_eager"] < 1e-4
+    assert any(": dynamic on CPU" in r for r in plain["info"]["reports"]), plain["info"]
+    assert "| ov_dynamic/f32/plain |" in table
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nncf") is None, reason="nncf is not installed")
