@@ -18,6 +18,7 @@ from typing import Any
 import openvino as ov
 import torch
 
+from ov_backend import rewrites
 from ov_backend.cache import ModelCache
 from ov_backend.compiled import CompiledGraph
 from ov_backend.context import BuildContext
@@ -155,7 +156,7 @@ class OVBackend:
                 logger.warning("OpenVINO blob cache %s is not usable (%s); compiling without it",
                                self.cache.blob_dir, err)
         if not from_file:
-            return self.core.compile_model(model, self.settings.device, config)
+            return self.core.compile_model(rewrites.for_compiling(model), self.settings.device, config)
         try:
             return self.core.compile_model(str(model), self.settings.device, config)
         except RuntimeError as err:

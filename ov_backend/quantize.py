@@ -25,7 +25,7 @@ import numpy as np
 import openvino as ov
 import torch
 
-from ov_backend.rewrites import fold_weight_splits
+from ov_backend.rewrites import fold_weight_splits, share_weight_sections
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,10 @@ def quantize(model: ov.Model, samples: Sequence[Sequence[np.ndarray]]) -> ov.Mod
 
         exact = exact_int8_dot_products()
         model = model.clone()
-        fold_weight_splits(model)  # NNCF finds a projection's weight as a constant, not behind a split
+        # NNCF finds a projection's weight as a constant, not behind a split: pieces of the weight's memory
+        # where they are one piece each, else copies
+        share_weight_sections(model)
+        fold_weight_splits(model)
         return nncf.quantize(
             model,
             nncf.Dataset(list(samples)),

@@ -10,13 +10,15 @@ leaves alone what it cannot prove to be the same computation.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 import pytest
 import torch
 
-from ov_backend.rewrites import fold_weight_splits, split_projections
+from ov_backend.rewrites import fold_weight_splits, for_compiling, share_weight_sections, split_projections
 
 from .conftest import F32_ATOL, F32_RTOL, f32_backend
 
@@ -181,3 +183,53 @@ def test_folding_keeps_a_bf16_constant_bf16():
     folded = [result.input_value(0).get_node().input_value(0).get_node() for result in model.get_results()]
     assert [op.get_output_element_type(0) for op in folded] == [ov.Type.bf16, ov.Type.bf16]
     assert [op.get_data().view(np.uint16).tolist() for op in folded] == [bits[:, :2].tolist(), bits[:, 2:].tolist()]
+
+
+def test_a_bound_weight_compiles_from_its_own_memory_in_sections(tmp_path):
+    """The device gets each section as a constant reading its piece of the weight (no copy folded at compile);
+    the model kept for later compiles keeps its split, and the values are the same."""
+    rng = np.random.default_rng(5)
+    weight, bias = rng.standard_normal((12, 8), np.float32), rng.standard_normal(12, np.float32)
+    model, values = projection(weight, bias)
+    want = run(model, values)
+    assert split_projections(model) == 1
+    source = next(op for op in model.get_ordered_ops() if op.get_type_name() == "VariadicSplit"
+                  and op.input_value(0).get_node().get_output_shape(0) == [12, 8]).input_value(0).get_node()
+    start, end = source.get_data().ctypes.data, source.get_data().ctypes.data + weight.nbytes
+    compiled = for_compiling(model)
+    assert compiled is not model and splits_of_constants(model) == 2 and splits_of_constants(compiled) == 0
+    sections = [op.input_value(1).get_node() for op in compiled.get_ordered_ops() if op.get_type_name() == "MatMul"]
+    assert [op.get_type_name() for op in sections] == ["Constant", "Constant"]
+    addresses = sorted(op.get_data().ctypes.data for op in sections)
+    assert addresses == [start, start + weight.nbytes // 2] and addresses[-1] < end
+    del model, source
+    gc.collect()  # the sections keep the weight's memory alive without the model
+    np.testing.assert_allclose(ov.Core().compile_model(compiled, "CPU", F32)(values)[0], want, rtol=1e-6, atol=1e-6)
+    assert for_compiling(compiled) is compiled  # nothing left to share
+
+
+def test_a_split_of_a_constant_across_its_memory_is_left_to_the_device():
+    """Sections along the second axis of a matrix are not pieces of its memory: the split stays."""
+    rng = np.random.default_rng(6)
+    weight = rng.standard_normal((8, 12), np.float32)
+    x = ops.parameter([2, 5, 8], np.float32, name="x")
+    halves = ops.variadic_split(ops.constant(weight), ops.constant(np.int64(1)), ops.constant(np.array([6, 6])))
+    model = ov.Model([ops.multiply(ops.matmul(x, halves.output(0), False, False),
+                                   ops.matmul(x, halves.output(1), False, False))], [x])
+    assert for_compiling(model) is model and share_weight_sections(model) == 0
+
+
+def test_sharing_keeps_a_bf16_constant_bf16():
+    bits = np.arange(24, dtype=np.uint16).reshape(6, 4) + 0x3F80
+    weight = ov.op.Constant(ov.Tensor(bits, [6, 4], ov.Type.bf16))
+    halves = ops.variadic_split(weight, ops.constant(np.int64(0)), ops.constant(np.array([2, 4])))
+    model = ov.Model([ops.convert(halves.output(i), ov.Type.f32) for i in range(2)], [])
+    assert share_weight_sections(model) == 1
+    shared = [result.input_value(0).get_node().input_value(0).get_node() for result in model.get_results()]
+    assert [op.get_output_element_type(0) for op in shared] == [ov.Type.bf16, ov.Type.bf16]
+    assert [op.get_data().view(np.uint16).tolist() for op in shared] == [bits[:2].tolist(), bits[2:].tolist()]
+
+
+def splits_of_constants(model: ov.Model) -> int:
+    return sum(1 for op in model.get_ordered_ops() if op.get_type_name() == "VariadicSplit"
+               and op.input_value(0).get_node().get_type_name() == "Constant")
