@@ -174,15 +174,17 @@ def test_folding_the_weight_splits_leaves_constants_and_the_values():
     np.testing.assert_allclose(run(model, values), want, rtol=1e-6, atol=1e-6)
 
 
-def test_folding_keeps_a_bf16_constant_bf16():
-    bits = np.arange(24, dtype=np.uint16).reshape(4, 6) + 0x3F80  # bf16 patterns around 1.0
-    weight = ov.op.Constant(ov.Tensor(bits, [4, 6], ov.Type.bf16))
-    halves = ops.variadic_split(weight, ops.constant(np.int64(1)), ops.constant(np.array([2, 4])))
+@pytest.mark.parametrize("rewrite", [fold_weight_splits, share_weight_sections])
+def test_a_bf16_constant_stays_bf16(rewrite):
+    """Folded into copies or shared as pieces of its memory, a bf16 weight's sections are its bf16 values."""
+    bits = np.arange(24, dtype=np.uint16).reshape(6, 4) + 0x3F80  # bf16 patterns around 1.0
+    weight = ov.op.Constant(ov.Tensor(bits, [6, 4], ov.Type.bf16))
+    halves = ops.variadic_split(weight, ops.constant(np.int64(0)), ops.constant(np.array([2, 4])))
     model = ov.Model([ops.convert(halves.output(i), ov.Type.f32) for i in range(2)], [])
-    assert fold_weight_splits(model) == 1
-    folded = [result.input_value(0).get_node().input_value(0).get_node() for result in model.get_results()]
-    assert [op.get_output_element_type(0) for op in folded] == [ov.Type.bf16, ov.Type.bf16]
-    assert [op.get_data().view(np.uint16).tolist() for op in folded] == [bits[:, :2].tolist(), bits[:, 2:].tolist()]
+    assert rewrite(model) == 1
+    sections = [result.input_value(0).get_node().input_value(0).get_node() for result in model.get_results()]
+    assert [op.get_output_element_type(0) for op in sections] == [ov.Type.bf16, ov.Type.bf16]
+    assert [op.get_data().view(np.uint16).tolist() for op in sections] == [bits[:2].tolist(), bits[2:].tolist()]
 
 
 def test_a_bound_weight_compiles_from_its_own_memory_in_sections(tmp_path):
@@ -217,17 +219,6 @@ def test_a_split_of_a_constant_across_its_memory_is_left_to_the_device():
     model = ov.Model([ops.multiply(ops.matmul(x, halves.output(0), False, False),
                                    ops.matmul(x, halves.output(1), False, False))], [x])
     assert for_compiling(model) is model and share_weight_sections(model) == 0
-
-
-def test_sharing_keeps_a_bf16_constant_bf16():
-    bits = np.arange(24, dtype=np.uint16).reshape(6, 4) + 0x3F80
-    weight = ov.op.Constant(ov.Tensor(bits, [6, 4], ov.Type.bf16))
-    halves = ops.variadic_split(weight, ops.constant(np.int64(0)), ops.constant(np.array([2, 4])))
-    model = ov.Model([ops.convert(halves.output(i), ov.Type.f32) for i in range(2)], [])
-    assert share_weight_sections(model) == 1
-    shared = [result.input_value(0).get_node().input_value(0).get_node() for result in model.get_results()]
-    assert [op.get_output_element_type(0) for op in shared] == [ov.Type.bf16, ov.Type.bf16]
-    assert [op.get_data().view(np.uint16).tolist() for op in shared] == [bits[:2].tolist(), bits[2:].tolist()]
 
 
 def splits_of_constants(model: ov.Model) -> int:
