@@ -122,8 +122,8 @@ def test_a_converted_model_that_cannot_take_a_shape_traces_that_shape(tmp_path, 
     backend = f32_backend(tmp_path, shared_shapes="never")
     real = convert.convert_dynamic
 
-    def sizes_fixed(fn, inputs, dynamic_dims, decompositions):
-        return real(fn, inputs, [() for _ in dynamic_dims], decompositions)
+    def sizes_fixed(fn, inputs, dynamic_dims, decompositions, *rewrite_names):
+        return real(fn, inputs, [() for _ in dynamic_dims], decompositions, *rewrite_names)
 
     monkeypatch.setattr(convert, "convert_dynamic", sizes_fixed)
     model = Tokens().eval()

@@ -28,7 +28,7 @@ def test_disabled_op_runs_in_pytorch_and_is_reported(caplog):
     assert any("aten.convolution.default" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
-def _failing_convert(sub):
+def _failing_convert(sub, *rewrite_names):
     raise convert.ConversionError("forced failure for the test")
 
 
@@ -85,11 +85,11 @@ def _failing_on_sin(report_op):
     """A converter whose frontend reports ``report_op(partition ops)`` unconvertible in the partition holding sin."""
     real = convert.convert_partition
 
-    def fake(sub):
+    def fake(sub, *rewrite_names):
         names = _node_names(sub)
         if "aten.sin.default" in names:
             raise convert.ConversionError("forced: no conversion rule", [report_op(names)])
-        return real(sub)
+        return real(sub, *rewrite_names)
 
     return fake
 
