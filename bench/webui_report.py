@@ -62,8 +62,18 @@ def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
         else "git clone of the checkout's HEAD",
         "settings": {"tiny": config.tiny, "precisions": list(config.precisions), "steps": config.steps,
                      "sizes": ["x".join(map(str, s)) for s in config.sizes], "batch": config.batch,
-                     "rows": list(config.rows), "sampler": "Euler", "cfg_scale": 7, "testbed": str(config.testbed)},
+                     "rows": list(config.rows), "sampler": "Euler", "cfg_scale": 7,
+                     "testbed": testbed_label(Path(config.testbed))},
     }
+
+
+def testbed_label(testbed: Path) -> str:
+    """The test bed as the results name it: relative to the checkout when inside it (``build/a1111-testbed``),
+    else ``$A1111_ROOT`` (a results file names no folder of the machine it ran on)."""
+    try:
+        return str(testbed.resolve().relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return "$A1111_ROOT"
 
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:

@@ -20,3 +20,13 @@ def test_no_cap_no_note(monkeypatch):
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     info = machine()
     assert "onednn_isa_cap" not in info and isa_cap_note(info) == ""
+
+
+def test_the_webui_results_name_no_folder_of_the_machine(tmp_path):
+    from pathlib import Path
+
+    from bench.webui_report import testbed_label
+
+    checkout = Path(__file__).resolve().parents[2]
+    assert testbed_label(checkout / "build" / "a1111-testbed") == str(Path("build") / "a1111-testbed")
+    assert testbed_label(tmp_path / "a1111") == "$A1111_ROOT"
