@@ -3,11 +3,11 @@
 :func:`split_projections`: a projection whose output is split along its features (a GEGLU's
 ``proj(x).chunk(2, -1)`` in every transformer block of an SD UNet) becomes one projection per
 section. The CPU plugin runs such a split with a reference kernel that copies the whole output
-(full SD 1.5 UNet, batch 2, 64x64 latent, Intel Xeon with AMX: 50 ms of a 1.54 s bf16 call, 68 ms of
-a 1.22 s INT8 one); two projections of half the width cost what one did, and each feeds its consumer
-directly. The weights are not copied: each projection reads its rows of the weight through a split
-of the weight itself, which the device folds when it compiles (a weight that is a model input stays
-one, so a model stored without its weights still binds them).
+(full SD 1.5 UNet, batch 2, 64x64 latent, Intel Xeon with AMX: 34 ms of a 1542 ms bf16 call, 35 ms of
+a 1215 ms INT8 one, ``bench/results/int8-profile-amx-2026-11-24.md``); two projections of half the
+width cost what one did, and each feeds its consumer directly. The weights are not copied: each
+projection reads its rows of the weight through a split of the weight itself (a weight that is a
+model input stays one, so a model stored without its weights still binds them).
 
 :func:`for_compiling` gives the device each section of a bound weight as a constant that reads its piece
 of the weight's memory: left to the device, the split would be folded into copies at every compile
@@ -155,24 +155,43 @@ def _constant_array(constant: ov.Node) -> np.ndarray:
     return data.view(np.uint16) if constant.get_output_element_type(0) == ov.Type.bf16 else data
 
 
+def _constant_split(split: ov.Node) -> tuple[ov.Node, int, list[int]] | None:
+    """For a split of a constant along one constant axis into sections of constant sizes: the constant, the
+    axis (counted from the first) and the sizes; else None."""
+    if split.get_type_name() != "VariadicSplit" or split.input_value(0).get_node().get_type_name() != "Constant":
+        return None
+    constant = split.input_value(0).get_node()
+    shape = [int(d) for d in constant.get_output_shape(0)]
+    axis, lengths = _constant_ints(split.input_value(1)), _constant_ints(split.input_value(2))
+    if not shape or axis is None or len(axis) != 1 or lengths is None or any(n < 0 for n in lengths):
+        return None  # (a size of -1, "the rest", is not taken either)
+    index = axis[0] % len(shape)
+    return (constant, index, lengths) if sum(lengths) == shape[index] else None
+
+
+def _sections(data: np.ndarray, axis: int, lengths: Sequence[int]) -> list[np.ndarray]:
+    """Views of ``data``'s sections of ``lengths`` along ``axis``."""
+    bounds = np.cumsum([0, *lengths])
+    index = [slice(None)] * data.ndim
+    views = []
+    for i in range(len(lengths)):
+        index[axis] = slice(int(bounds[i]), int(bounds[i + 1]))
+        views.append(data[tuple(index)])
+    return views
+
+
 def fold_weight_splits(model: ov.Model) -> int:
     """Replace in place each split of a constant by constants (copies of its sections); returns how many."""
     folded = 0
     for split in model.get_ordered_ops():
-        if split.get_type_name() != "VariadicSplit" or split.input_value(0).get_node().get_type_name() != "Constant":
+        found = _constant_split(split)
+        if found is None:
             continue
-        axis, lengths = _constant_ints(split.input_value(1)), _constant_ints(split.input_value(2))
-        if axis is None or lengths is None or any(n < 0 for n in lengths):
-            continue
-        constant = split.input_value(0).get_node()
-        data = _constant_array(constant)
-        bounds = np.cumsum([0, *lengths])
-        for i in range(len(lengths)):
-            index = [slice(None)] * data.ndim
-            index[axis[0]] = slice(int(bounds[i]), int(bounds[i + 1]))
-            section = data[tuple(index)]
+        constant, axis, lengths = found
+        element = constant.get_output_element_type(0)
+        for i, section in enumerate(_sections(_constant_array(constant), axis, lengths)):
             # a tensor of its own (a constant made from a numpy array's memory would outlive it)
-            values = ov.Tensor(constant.get_output_element_type(0), list(section.shape))
+            values = ov.Tensor(element, list(section.shape))
             values.data.view(section.dtype)[...] = section
             split.output(i).replace(ov.op.Constant(values).output(0))
         folded += 1
@@ -191,24 +210,13 @@ def _aliasing_array(constant: ov.Node) -> np.ndarray:
     return np.frombuffer(memory, dtype=data.dtype).reshape(data.shape)
 
 
-def _contiguous_sections(split: ov.Node) -> tuple[np.ndarray, int, list[int]] | None:
-    """For a split of a constant into sections that each lie in one piece of its memory (the axis is the
-    first one of more than one element), the constant's values, the axis and the section sizes."""
-    if split.get_type_name() != "VariadicSplit" or split.input_value(0).get_node().get_type_name() != "Constant":
+def _split_in_pieces(split: ov.Node) -> tuple[ov.Node, int, list[int]] | None:
+    """:func:`_constant_split` where each section is one piece of the constant's memory (every dimension
+    before the axis has one element)."""
+    found = _constant_split(split)
+    if found is None or any(int(d) != 1 for d in found[0].get_output_shape(0)[:found[1]]):
         return None
-    axis, lengths = _constant_ints(split.input_value(1)), _constant_ints(split.input_value(2))
-    if axis is None or len(axis) != 1 or lengths is None or any(n < 0 for n in lengths):
-        return None
-    constant = split.input_value(0).get_node()
-    try:
-        data = _aliasing_array(constant)
-    except (RuntimeError, TypeError, ValueError):  # a type numpy cannot view
-        return None
-    index = axis[0] % data.ndim if data.ndim else 0
-    if not data.ndim or any(d != 1 for d in data.shape[:index]) or not data.flags.c_contiguous \
-            or -1 in lengths or sum(lengths) != data.shape[index]:
-        return None
-    return data, index, lengths
+    return found
 
 
 def share_weight_sections(model: ov.Model) -> int:
@@ -222,16 +230,17 @@ def share_weight_sections(model: ov.Model) -> int:
     cache stores no weight, and recognizes a weight by its whole memory)."""
     shared = 0
     for split in model.get_ordered_ops():
-        found = _contiguous_sections(split)
+        found = _split_in_pieces(split)
         if found is None:
             continue
-        data, axis, lengths = found
-        element = split.input_value(0).get_node().get_output_element_type(0)
-        bounds = np.cumsum([0, *lengths])
-        for i in range(len(lengths)):
-            index = [slice(None)] * data.ndim
-            index[axis] = slice(int(bounds[i]), int(bounds[i + 1]))
-            section = data[tuple(index)]  # a view: through its base it keeps the constant alive
+        constant, axis, lengths = found
+        element = constant.get_output_element_type(0)
+        try:
+            data = _aliasing_array(constant)
+        except (RuntimeError, TypeError, ValueError):  # a type numpy cannot view: left to the device
+            continue
+        # views of ``data``: through their base they keep the constant alive
+        for i, section in enumerate(_sections(data, axis, lengths)):
             values = ov.Tensor(section, list(section.shape), element) if element == ov.Type.bf16 else section
             split.output(i).replace(ov.op.Constant(values, shared_memory=True).output(0))
         shared += 1
@@ -243,8 +252,7 @@ def share_weight_sections(model: ov.Model) -> int:
 def for_compiling(model: ov.Model) -> ov.Model:
     """``model``, or where it splits a constant into pieces of its memory, a copy that reads the pieces
     (:func:`share_weight_sections`): what to give a device to compile. ``model`` itself is left as it was."""
-    if not any(_contiguous_sections(op) is not None for op in model.get_ordered_ops()
-               if op.get_type_name() == "VariadicSplit"):
+    if not any(_split_in_pieces(op) is not None for op in model.get_ordered_ops()):
         return model
     copy = model.clone()
     share_weight_sections(copy)
