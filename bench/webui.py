@@ -124,7 +124,8 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
     if values.get("tiny"):
         values.setdefault("sizes", TINY_SIZES)
         values.setdefault("min_available_gib", 0.0)
-    values.setdefault("testbed", testbed_root())
+    # absolute: the WebUI runs in its own folder, where a path relative to here names nothing
+    values["testbed"] = Path(values.get("testbed") or testbed_root()).absolute()
     config = WebUIBenchSettings(**values)
     bad = [p for p in config.precisions if p not in PRECISION_KEYS]
     if bad or not config.precisions:

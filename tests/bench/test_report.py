@@ -30,3 +30,21 @@ def test_the_webui_results_name_no_folder_of_the_machine(tmp_path):
     checkout = Path(__file__).resolve().parents[2]
     assert testbed_label(checkout / "build" / "a1111-testbed") == str(Path("build") / "a1111-testbed")
     assert testbed_label(tmp_path / "a1111") == "$A1111_ROOT"
+
+
+def test_a_relative_test_bed_is_taken_from_where_the_bench_started(tmp_path, monkeypatch):
+    # the WebUI runs in its own folder: "build/a1111-testbed" given from the checkout must still name it there
+    from bench.webui import build_settings
+
+    bed = tmp_path / "bed"
+    (bed / "webui").mkdir(parents=True)
+    (bed / "webui" / "launch.py").write_text("")
+    (bed / "venv" / "bin").mkdir(parents=True)
+    (bed / "venv" / "bin" / "python").write_text("")
+    vocab = bed / "hf-home" / "hub" / "models--openai--clip-vit-large-patch14" / "snapshots" / "x"
+    vocab.mkdir(parents=True)
+    (vocab / "vocab.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("A1111_ROOT", "bed")
+    assert build_settings({}).testbed == bed
+    assert build_settings({"testbed": "bed"}).testbed == bed
