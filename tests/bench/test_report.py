@@ -48,3 +48,19 @@ def test_a_relative_test_bed_is_taken_from_where_the_bench_started(tmp_path, mon
     monkeypatch.setenv("A1111_ROOT", "bed")
     assert build_settings({}).testbed == bed
     assert build_settings({"testbed": "bed"}).testbed == bed
+
+
+def test_a_new_size_is_also_compared_by_what_it_adds_to_its_run():
+    # a short run makes a second size's whole request large against the cold one; what it adds is compared too
+    from bench.webui_report import goals
+
+    def row(key, seconds, run):
+        return {"mode": "auto", "key": key, "seconds": seconds, "run_seconds": run}
+
+    results = {"settings": {"precisions": ["auto"]},
+               "rows": [row("first", 60.0, 20.0), row("size2", 20.0, 16.0)], "phases": []}
+    lines = goals(results)
+    whole = next(x for x in lines if x.startswith("| second size / cold first generation |"))
+    added = next(x for x in lines if x.startswith("| second size / cold first generation, seconds above the run |"))
+    assert "0.33x" in whole and "0.10x" in added  # 20/60, and (20-16)/(60-20)
+    assert any("depend on the step count" in x for x in lines)
