@@ -18,7 +18,6 @@ without VNNI, where the quantizer keeps the matmuls at float, with them at their
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch
 
 from bench import models
 from bench.compare import perf_by_type
-from bench.report import isa_cap_note, machine
+from bench.report import add_profile_arguments, machine, machine_line, write_profile
 from bench.variants import VariantSpec, calibration_inputs
 
 logger = logging.getLogger("bench.int8_profile")
@@ -139,9 +138,7 @@ def markdown(result: dict[str, Any], command: str, top: int = 25) -> str:
     lines = [
         f"# INT8 against float, per node type: {result['component']}",
         "",
-        f"Machine: {m.get('Model name', '?')}, {m.get('cpus')} CPUs, {m.get('memory_gib')} GiB; "
-        f"{m.get('Flags', '')}; OpenVINO CPU \"{result['device']}\"; openvino {m['versions']['openvino']}, "
-        f"torch {m['versions']['torch']}; commit {m.get('git_commit', '?')}.{isa_cap_note(m)}",
+        machine_line(m, result["device"]),
         "",
         f"Command: `{command}`. Model converted statically ({result['convert_seconds']:.1f} s), quantized "
         f"with the backend's NNCF settings on {result['samples']} varied copies of the inputs "
@@ -177,25 +174,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.int8_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--component", default="unet", choices=models.COMPONENT_NAMES)
-    p.add_argument("--quick", action="store_true", help="small model")
-    p.add_argument("--size", type=int, default=None, help="image size in pixels (default 512; quick 64)")
     p.add_argument("--samples", type=int, default=4, help="calibration samples (default 4)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--work-dir", required=True, help="weights (kept for the next run)")
-    p.add_argument("--out", required=True, help="writes <name>.md and <name>.json here")
-    p.add_argument("--name", default="int8-profile")
+    add_profile_arguments(p, "int8-profile")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.samples < 1 or args.rounds < 1:
         p.error("--samples and --rounds must be at least 1")
     size = args.size or (64 if args.quick else 512)
     result = profile(args.component, args.quick, size, args.samples, args.rounds, Path(args.work_dir))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python -m bench.int8_profile " + " ".join(argv)
-    (out / f"{args.name}.md").write_text(markdown(result, command), encoding="utf-8")
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
-    logger.info("wrote %s.md and .json", out / args.name)
+    write_profile(result, markdown(result, "python -m bench.int8_profile " + " ".join(argv)), Path(args.out), args.name)
     return 0
 
 

@@ -18,7 +18,6 @@ number of sampling steps after which they cost more than the compile they save.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -33,7 +32,7 @@ import openvino.opset13 as ops
 import torch
 
 from bench import models
-from bench.report import isa_cap_note, machine
+from bench.report import add_profile_arguments, machine, machine_line, write_profile
 
 logger = logging.getLogger("bench.lora_cost")
 
@@ -146,9 +145,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
     lines = [
         f"# A LoRA weight change: a compile, or low-rank branches on every call ({result['component']})",
         "",
-        f"Machine: {m.get('Model name', '?')}, {m.get('cpus')} CPUs, {m.get('memory_gib')} GiB; "
-        f"{m.get('Flags', '')}; OpenVINO CPU \"{result['device']}\"; openvino {m['versions']['openvino']}, "
-        f"torch {m['versions']['torch']}; commit {m.get('git_commit', '?')}.{isa_cap_note(m)}",
+        machine_line(m, result["device"]),
         "",
         f"Command: `{command}`. The backend's model of the component (size {result['size']}), compiled as the "
         f"backend compiles; {result['branches']} projections given a rank-{result['rank']} branch (weights of at "
@@ -176,15 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m bench.lora_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small UNet")
-    p.add_argument("--size", type=int, default=None, help="image size in pixels (default 512; quick 64)")
     p.add_argument("--rank", type=int, default=32, help="rank of each branch (default 32)")
     p.add_argument("--min-features", type=int, default=None,
                    help="smallest side of a weight that gets a branch (default 320; quick 16)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--work-dir", required=True, help="weights (kept for the next run)")
-    p.add_argument("--out", required=True, help="writes <name>.md and <name>.json here")
-    p.add_argument("--name", default="lora-cost")
+    add_profile_arguments(p, "lora-cost")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.rank < 1 or args.rounds < 1:
@@ -192,12 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = args.size or (64 if args.quick else 512)
     min_features = args.min_features or (16 if args.quick else 320)
     result = measure("unet", args.quick, size, args.rank, min_features, args.rounds, Path(args.work_dir))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python -m bench.lora_cost " + " ".join(argv)
-    (out / f"{args.name}.md").write_text(markdown(result, command), encoding="utf-8")
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
-    logger.info("wrote %s.md and .json", out / args.name)
+    write_profile(result, markdown(result, "python -m bench.lora_cost " + " ".join(argv)), Path(args.out), args.name)
     return 0
 
 

@@ -75,6 +75,32 @@ def isa_cap_note(info: dict[str, Any]) -> str:
             f"{cap} on this CPU, an emulation of such a CPU's kernels, not such a CPU.")
 
 
+def machine_line(info: dict[str, Any], device: str) -> str:
+    """The machine a single-model profile ran on, in one line (CPU, flags, OpenVINO's name for it, versions)."""
+    return (f"Machine: {info.get('Model name', '?')}, {info.get('cpus')} CPUs, {info.get('memory_gib')} GiB; "
+            f"{info.get('Flags', '')}; OpenVINO CPU \"{device}\"; openvino {info['versions']['openvino']}, "
+            f"torch {info['versions']['torch']}; commit {info.get('git_commit', '?')}.{isa_cap_note(info)}")
+
+
+def add_profile_arguments(parser: Any, name: str) -> None:
+    """The options every single-model profile takes: ``--quick``, ``--size``, ``--rounds``, ``--work-dir``,
+    ``--out`` and ``--name`` (default ``name``)."""
+    parser.add_argument("--quick", action="store_true", help="small model")
+    parser.add_argument("--size", type=int, default=None, help="image size in pixels (default 512; quick 64)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--work-dir", required=True, help="weights (kept for the next run)")
+    parser.add_argument("--out", required=True, help="writes <name>.md and <name>.json here")
+    parser.add_argument("--name", default=name)
+
+
+def write_profile(result: dict[str, Any], text: str, out: Path, name: str) -> None:
+    """``<out>/<name>.md`` (``text``) and ``<out>/<name>.json`` (``result``) of a single-model profile."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text, encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    logger.info("wrote %s.md and .json", out / name)
+
+
 def _stats(times: list[float]) -> dict[str, float] | None:
     if not times:
         return None
