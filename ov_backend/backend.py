@@ -27,7 +27,7 @@ from ov_backend.ops import decomposition_table
 from ov_backend.portable import PortableGraph
 from ov_backend.precision import PRECISION_CONFIG
 from ov_backend.report import CompileReport, Stats
-from ov_backend.settings import BackendSettings, build_settings
+from ov_backend.settings import PREVIOUS_WEIGHTS, BackendSettings, build_settings
 from ov_backend.variants import SharedModels, UseWindow
 from ov_backend.weights import DigestMemo
 
@@ -77,7 +77,8 @@ class OVBackend:
         #: subclass's override is used)
         self.build_context = BuildContext(self.settings, self.core, self.cache, self.stats_counter,
                                     compile_model=self.compile_model, add_report=self.add_report,
-                                    digests=self.digests, versions=self.versions, window=window, shared=shared)
+                                    digests=self.digests, versions=self.versions, window=window, shared=shared,
+                                    release_stale=self._release_stale)
 
     def derived(self, precision: str) -> OVBackend:
         """A backend at another precision that shares this one's state: cache, counters, reports, weight
@@ -175,18 +176,32 @@ class OVBackend:
             graphs = list(self._graphs)
         return sum(graph.calibrate() for graph in graphs)
 
-    def start_window(self) -> None:
+    def start_window(self, previous_weights: str | None = None) -> None:
         """Start a use window: from now on, a graph that builds a model first releases its compiled
         models that no call used since this point (see :class:`ov_backend.variants.UseWindow`).
 
         An owner that starts a window per unit of work (a generation) keeps in memory only the
         compiled models that work uses; one that never does keeps every model it compiled.
+        ``previous_weights`` ("auto", "keep" or "release"): the settings' ``previous_weights`` for this
+        window (e.g. a user's choice read per generation); None keeps the settings' own.
+
+        Raises:
+            ValueError: ``previous_weights`` is none of those.
         """
-        self.build_context.window.start()
+        if previous_weights is not None and previous_weights not in PREVIOUS_WEIGHTS:
+            raise ValueError(f"previous_weights must be one of {', '.join(PREVIOUS_WEIGHTS)}, got {previous_weights!r}")
+        self.build_context.window.start(previous_weights)
 
     def stop_windows(self) -> None:
         """Keep every compiled model again (no release until the next :meth:`start_window`)."""
         self.build_context.window.stop()
+
+    def _release_stale(self, asking: CompiledGraph) -> int:
+        """Release the compiled models of every graph but ``asking`` whose weights changed since its last
+        call (see :meth:`CompiledGraph.release_if_stale`); returns how many were released."""
+        with self._lock:
+            graphs = [g for g in self._graphs if g is not asking]
+        return sum(g.release_if_stale() for g in graphs)
 
     def _cpu_only(self) -> bool:
         return self.settings.device.split(".")[0] == "CPU"

@@ -56,22 +56,47 @@ class CompiledGraph:
     def _release_unused(self, fingerprint: str) -> None:
         """Before a build for the weights ``fingerprint``: release compiled models no call used in the
         current window, but those of the previous weights (the latest other fingerprint) that their
-        last window used, while ``previous_weights`` says to keep them (lock held)."""
+        last window used, while ``previous_weights`` says to keep them (lock held). Where it says not
+        to, the backend's other graphs not called since their weights changed release theirs too."""
         window = self.context.window
         if not window.releasing:
             return
+        keep_previous = keep_previous_weights(self._previous_weights_mode())
         unused = {key for key, last in self._last_used.items() if last < window.current}
         others = [fp for fp in self._weights_used if fp != fingerprint]
         if unused and others:
             previous = max(others, key=self._weights_used.__getitem__)
             last = self._weights_used[previous]
             kept = {key for key in unused if key[0] == previous and self._last_used[key] == last}
-            if kept and keep_previous_weights(self.context.settings.previous_weights):
+            if kept and keep_previous:
                 unused -= kept
                 self.context.stats.add(kept_previous=len(kept))
                 logger.info("%s: keeping %d compiled model(s) of the previous weights (%s): going back to them "
                             "compiles nothing", self.name, len(kept), previous[:12])
         self._release(unused, "no call used since the current use window began")
+        if not keep_previous:
+            # one not called since its weights changed (e.g. a long prompt's capture of the UNet after a LoRA
+            # or checkpoint change) holds models of weights that are gone, as this graph's previous ones
+            self.context.release_stale(self)
+
+    def _previous_weights_mode(self) -> str:
+        """``previous_weights`` now: the current use window's, else the settings'."""
+        return self.context.window.previous_weights or self.context.settings.previous_weights
+
+    def release_if_stale(self) -> int:
+        """Release every compiled model of this graph if its weights changed (or were freed) since its last
+        call, keeping the converted models; returns how many were released. A graph busy in another
+        thread is left alone (0)."""
+        if not self._lock.acquire(blocking=False):
+            return 0
+        try:
+            if not self._last_used or not self._weights.stale():
+                return 0
+            released = self._release(set(self._last_used), "its weights changed and it was not called since")
+            self.context.stats.add(released_stale=released)
+            return released
+        finally:
+            self._lock.release()
 
     def release_compiled(self) -> int:
         """Release every compiled model of this graph that it can compile again from what it keeps (the

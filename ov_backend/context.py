@@ -46,6 +46,8 @@ class BuildContext:
         versions: library versions, part of every cache key.
         window: the backend's use windows (compiled models unused in the current one are released).
         shared: the compiled models for all shapes its graphs lend each other.
+        release_stale: releases the compiled models of the backend's other graphs whose weights changed
+            since their last call (argument: the graph asking, left alone); returns how many went.
     """
 
     settings: BackendSettings
@@ -58,6 +60,7 @@ class BuildContext:
     versions: Mapping[str, str]
     window: UseWindow = field(default_factory=UseWindow)
     shared: SharedModels = field(default_factory=SharedModels)
+    release_stale: Callable[[Any], int] = lambda asking: 0
 
     def fail(self, message: str, err: BaseException | None = None) -> None:
         """A visible fallback to PyTorch: a WARNING with ``message``, or raise when ``strict``.

@@ -163,14 +163,18 @@ class Stats:
     ``capture_seconds`` is dynamo's capture where its owner measures it (capturing ahead of time, or
     loading a saved capture: see :mod:`ov_backend.portable`), apart from ``compile_seconds``;
     ``captures_made``, ``captures_saved`` and ``captures_loaded`` count those. ``kept_previous`` counts
-    compiled models of the previous weights a release left in memory (``BackendSettings.previous_weights``).
+    compiled models of the previous weights a release left in memory (``BackendSettings.previous_weights``);
+    ``released_stale`` (part of ``released``) those released from graphs not called since their weights
+    changed (e.g. a long prompt's capture of the UNet after a LoRA change), where the previous weights'
+    models are not kept.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values = {"compile_seconds": 0.0, "trace_seconds": 0.0, "convert_seconds": 0.0,
                         "ov_compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
-                        "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0, "kept_previous": 0,
+                        "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0, "released_stale": 0,
+                        "kept_previous": 0,
                         "quantize_seconds": 0.0, "quantized": 0, "hash_seconds": 0.0, "capture_seconds": 0.0,
                         "captures_made": 0, "captures_saved": 0, "captures_loaded": 0}
 

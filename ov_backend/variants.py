@@ -64,11 +64,16 @@ class UseWindow:
     def __init__(self) -> None:
         self.current = 0
         self.releasing = False
+        #: ``BackendSettings.previous_weights`` for this window (the owner's choice per unit of work), or None:
+        #: the settings' own
+        self.previous_weights: str | None = None
 
-    def start(self) -> None:
-        """A new window: what the calls from now on do not use is released at the next build."""
+    def start(self, previous_weights: str | None = None) -> None:
+        """A new window: what the calls from now on do not use is released at the next build.
+        ``previous_weights``: in place of the settings' ``previous_weights`` during this window."""
         self.current += 1
         self.releasing = True
+        self.previous_weights = previous_weights
 
     def stop(self) -> None:
         """No more releasing (until the next :meth:`start`): every compiled model stays."""
@@ -229,6 +234,12 @@ class WeightVariants:
             self._fingerprint = fp
             self._watch = weights.WeightWatch(weight_values)
             return fp, self._by_weights[fp]
+
+    def stale(self) -> bool:
+        """Whether the weights of the last call changed since (or were freed): every model held was built for
+        weights the tensors no longer hold (False before the first call)."""
+        watch = self._watch
+        return watch is not None and watch.stale()
 
     def current_store(self) -> dict[Any, Any] | None:
         """The variants of the weights the last call had (None before the first call)."""

@@ -70,6 +70,15 @@ class WeightWatch:
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self._states = [_state(t) for t in tensors]
 
+    def stale(self) -> bool:
+        """True when any remembered tensor was freed or changed since (written in place, or its storage
+        replaced): a model built from them no longer stands for the weights the tensors hold."""
+        for state in self._states:
+            t = state[0]()
+            if t is None or not _same(t, state):
+                return True
+        return False
+
     def changed(self, tensors: Sequence[torch.Tensor]) -> bool:
         """True when any tensor differs from the remembered one (other object, storage or version)."""
         states = self._states

@@ -177,6 +177,91 @@ def test_new_weights_borrow_nothing_of_the_old_ones(tmp_path):
     assert backend.stats()["compiles"] == 3
 
 
+def long_prompt_then_new_weights(tmp_path, mode: str):
+    """A long prompt (the batch of 1's capture) in one generation, then new weights in place (a LoRA, a
+    checkpoint) and generations with short prompts only: the batch of 1's capture is not called again."""
+    backend = f32_backend(tmp_path, previous_weights=mode, model_caching=False)
+    model = Block().eval()
+    compiled = torch.compile(model, backend=backend)
+    backend.start_window()
+    run(compiled, model, 2, 8)
+    run(compiled, model, 1, 8)  # the re-capture: its own model for all shapes
+    run(compiled, model, 1, 12)
+    assert len({r.graph for r in backend.reports}) == 2 and backend.stats()["compiles"] == 2
+    swap(model, other_weights(model, 1))
+    generation(backend, compiled, model)  # the first capture builds for the new weights
+    return backend, model, compiled
+
+
+def test_a_capture_not_called_since_its_weights_changed_releases_its_models_with_the_previous_weights(tmp_path):
+    backend, model, compiled = long_prompt_then_new_weights(tmp_path, "release")
+    # the first capture's model of the old weights, and the re-capture's (of weights that are gone)
+    assert backend.stats()["released"] == 2 and backend.stats()["compiles"] == 3
+    assert backend.stats()["released_stale"] == 1
+    run(compiled, model, 1, 8)  # a long prompt again: built for the new weights (eager's picture, inside)
+    assert backend.stats()["compiles"] == 4 and backend.reports[-1].convert_seconds == 0
+
+
+def test_where_the_previous_weights_stay_so_do_an_idle_captures_models(tmp_path):
+    backend, model, compiled = long_prompt_then_new_weights(tmp_path, "keep")
+    assert backend.stats()["released"] == 0 and backend.stats()["released_stale"] == 0
+
+
+def test_a_window_can_choose_what_happens_to_the_previous_weights(tmp_path):
+    # the owner's choice per unit of work (the WebUI's setting, read per generation) wins over the settings'
+    backend = f32_backend(tmp_path, previous_weights="keep", model_caching=False)
+    model = Block().eval()
+    compiled = torch.compile(model, backend=backend)
+    backend.start_window(previous_weights="release")
+    run(compiled, model, 2, 8)
+    run(compiled, model, 1, 8)
+    swap(model, other_weights(model, 1))
+    backend.start_window(previous_weights="release")
+    run(compiled, model, 2, 8)
+    assert backend.stats()["released"] == 2 and backend.stats()["released_stale"] == 1
+    backend.start_window()  # none: the settings' "keep"
+    swap(model, other_weights(model, 2))
+    run(compiled, model, 2, 8)
+    assert backend.stats()["released"] == 2 and backend.stats()["kept_previous"] == 1
+    with pytest.raises(ValueError, match="previous_weights must be one of auto, keep, release, got 'sometimes'"):
+        backend.start_window(previous_weights="sometimes")
+
+
+class Decoder(Block):
+    """Other code than :class:`Block` (dynamo captures it apart, as A1111's VAE beside its UNet)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x))
+
+
+def test_a_graph_whose_weights_did_not_change_keeps_its_models(tmp_path):
+    backend = f32_backend(tmp_path, previous_weights="release", model_caching=False)
+    unet, vae = Block().eval(), Decoder().eval()
+    compiled_unet, compiled_vae = torch.compile(unet, backend=backend), torch.compile(vae, backend=backend)
+    backend.start_window()
+    run(compiled_unet, unet, 2, 8)
+    run(compiled_vae, vae, 2, 8)
+    swap(unet, other_weights(unet, 1))  # a LoRA on the UNet only
+    generation(backend, compiled_unet, unet)
+    assert backend.stats()["released"] == 1  # the UNet's own model of the old weights, not the VAE's
+    reports = len(backend.reports)
+    run(compiled_vae, vae, 2, 8)
+    assert len(backend.reports) == reports  # nothing built
+
+
+def test_a_stale_watch_sees_writes_in_place_and_freed_tensors():
+    from ov_backend.weights import WeightWatch
+
+    a, b = torch.ones(3), torch.ones(2)
+    watch = WeightWatch([a, b])
+    assert not watch.stale()
+    a.add_(1)
+    assert watch.stale()
+    watch = WeightWatch([a, b])
+    del b
+    assert watch.stale()
+
+
 def test_the_machines_memory_is_read():
     memory = system_memory()
     assert memory is not None, "Linux and Windows say how much memory is available"
