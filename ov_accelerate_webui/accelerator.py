@@ -120,15 +120,15 @@ class Accelerator:
         self._compiled: dict[tuple[BackendKey, str], list[CompiledRoute]] = {}
         self._lora = LoraHook(self._lock)
 
-    def prepare(
-        self, model: Any, settings: AccelerateSettings, default_cache_dir: str, window: str = WINDOW_NEW
-    ) -> PreparedRun:
+    def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str, window: str = WINDOW_NEW,
+                previous_weights: str | None = None) -> PreparedRun:
         """Find the parts of ``model`` to accelerate and get (or make) their compiled forwards.
 
         ``window``: :data:`WINDOW_NEW` (a generation of its own: compiled models it does not call are
         released when it builds another, see ``OVBackend.start_window``), :data:`WINDOW_CONTINUE` (part
         of the previous run's window: pre-compiling several sizes, so that all of them stay compiled) or
-        :data:`WINDOW_OFF` (release nothing: the user keeps every size in memory).
+        :data:`WINDOW_OFF` (release nothing: the user keeps every size in memory). ``previous_weights``: the
+        backend's ``previous_weights`` for a new window ("auto", "keep", "release"; None: the backend's own).
 
         Raises:
             UnsupportedModel: the model cannot be accelerated.
@@ -153,7 +153,7 @@ class Accelerator:
             f32_backend = self._backends.get(backend_key(f32_options)) if f32_options is not None else None
             for used in (backend, f32_backend):
                 if used is not None and window == WINDOW_NEW:
-                    used.start_window()
+                    used.start_window(previous_weights)
                 elif used is not None and window == WINDOW_OFF:
                     used.stop_windows()
             return self._prepared(model, targets, key, backend, settings, f32_options)

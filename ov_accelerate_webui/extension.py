@@ -24,7 +24,7 @@ from .precompile import ReadySizes, Size, parse_sizes
 from .session import RoutingSession
 from .settings import AccelerateSettings
 from .status import run_status
-from .ui import KEEP_SIZES_OPTION
+from .ui import KEEP_SIZES_OPTION, PREVIOUS_WEIGHTS_OPTION
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ class Extension:
             accelerator = self.accelerator()
             window = (WINDOW_OFF if host.option(KEEP_SIZES_OPTION, False)
                       else WINDOW_NEW if new_window else WINDOW_CONTINUE)
-            prepared = accelerator.prepare(model, settings, host.default_cache_dir(), window)
+            prepared = accelerator.prepare(model, settings, host.default_cache_dir(), window,
+                                           str(host.option(PREVIOUS_WEIGHTS_OPTION, "auto") or "auto"))
         except (BackendUnavailable, UnsupportedModel) as exc:
             return self._run_plain(p, f"Accelerate with OpenVINO: {exc}", logging.WARNING)
         except ValueError as exc:  # settings the backend rejects, e.g. INT8 without NNCF: the image is still made
@@ -310,7 +311,7 @@ def _run_report(
         "lora_changes": {change.label: change.networks for change in lora_changes},
         "lora_write_seconds": sum(change.write_seconds for change in lora_changes),
         **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
-                                               "convert_seconds", "run_seconds", "released", "kept_previous",
-                                               "capture_seconds", "captures_made", "captures_saved",
-                                               "captures_loaded")},
+                                               "convert_seconds", "run_seconds", "released", "released_stale",
+                                               "kept_previous", "capture_seconds", "captures_made",
+                                               "captures_saved", "captures_loaded")},
     }

@@ -74,6 +74,12 @@ def run_status(
             f"Released {released} compiled model(s) no call of this generation used (other sizes, weights or "
             "precisions), to keep memory down (using one again compiles it again)."
         )
+    stale = int(stats.get("released_stale", 0))
+    if stale:
+        lines.append(
+            f"Of them, {stale} belonged to parts not called since their weights changed (e.g. a long prompt's "
+            "UNet after a LoRA or checkpoint change): the setting for the weights used before says not to keep them."
+        )
     kept = int(stats.get("kept_previous", 0))
     if kept:
         lines.append(

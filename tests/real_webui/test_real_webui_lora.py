@@ -133,6 +133,40 @@ def test_going_back_to_the_weights_before_compiles_nothing(webui: WebUI) -> None
         pytest.skip(f"{share:.0%} of the memory available: too near the third that decides")
 
 
+def long_prompt(text: str) -> str:
+    """A prompt past 75 tokens (and longer than the empty negative prompt): A1111 runs the UNet at a batch of 1
+    for each, which dynamo captures apart from the batch of 2."""
+    return f"{text}, " + ", ".join(f"detail {i} of the scene" for i in range(40))
+
+
+def test_the_release_setting_also_frees_a_long_prompts_unet_after_a_lora_change(webui: WebUI) -> None:
+    """The Settings tab's choice for the compiled models of the weights used before a change ("release", for a
+    16 GB machine): after a LoRA change, the UNet's capture for a long prompt, not called since, gives back its
+    model of the weights before, and the status says so. By default ("auto", with the memory this machine has
+    to spare) it keeps it, for going back."""
+    memory = system_memory()
+    assert memory is not None
+    for mode, weight in (("release", 0.7), ("auto", 0.6)):  # weights no other test uses: each one compiles
+        text = f"a harbor at dawn, {next(_texts)}"
+        webui.call("/sdapi/v1/options", {"openvino_previous_weights": mode})
+        try:
+            webui.generate(accelerated(request(long_prompt(text))))  # no LoRA: the weights before
+            assert_ran_in_openvino(webui.status())
+            stock = webui.generate(request(lora_prompt(text, weight)))
+            fast = webui.generate(accelerated(request(lora_prompt(text, weight))))
+            fast.status = webui.status()
+        finally:
+            webui.call("/sdapi/v1/options", {"openvino_previous_weights": "auto"})
+        note_cost(webui, f"previous weights {mode}, LoRA weight {weight} after a long prompt", fast.status)
+        assert_ran_in_openvino(fast.status)
+        assert min_psnr(stock, fast) >= MIN_PSNR, fast.status["status"]
+        if mode == "release":
+            assert fast.status["released_stale"] >= 1, fast.status["status"]
+            assert "belonged to parts not called since their weights changed" in fast.status["status"]
+        elif memory.available / memory.total >= 0.4:  # well above the third "auto" asks for
+            assert fast.status["released_stale"] == 0, fast.status["status"]
+
+
 def serving_pid(webui: WebUI) -> int:
     """The WebUI's Python process: the largest process in the launcher's process group."""
     assert webui.process is not None

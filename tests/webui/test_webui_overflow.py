@@ -79,8 +79,8 @@ class Overflowing:
     def reset(self) -> None:
         self._inner.reset()
 
-    def start_window(self) -> None:
-        self._inner.start_window()
+    def start_window(self, previous_weights: str | None = None) -> None:
+        self._inner.start_window(previous_weights)
 
 
 @pytest.fixture

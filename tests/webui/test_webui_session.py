@@ -178,6 +178,29 @@ def test_keeping_every_size_in_memory_makes_returning_free(host: Any, ext: Any, 
         setattr(host.shared.opts, KEEP_SIZES_OPTION, False)
 
 
+def test_the_setting_for_the_previous_weights_reaches_each_generations_window(host: Any, ext: Any,
+                                                                               settings: Any) -> None:
+    """The Settings tab's choice for the compiled models of the weights used before a change is the backend's
+    for each generation; a value that is none of the three makes the image in PyTorch and says what is valid."""
+    from ov_accelerate_webui.ui import PREVIOUS_WEIGHTS_OPTION
+
+    def window() -> Any:
+        backend = ext.accelerator().prepare(host.shared.sd_model, settings, "unused", window="continue").backend
+        return backend.build_context.window
+
+    try:
+        for mode in ("release", "keep", "auto"):
+            setattr(host.shared.opts, PREVIOUS_WEIGHTS_OPTION, mode)
+            ext.run(txt2img(host), settings)
+            assert window().previous_weights == mode
+        setattr(host.shared.opts, PREVIOUS_WEIGHTS_OPTION, "sometimes")
+        processed = ext.run(txt2img(host), settings)
+        assert processed.images, "the image is still made"
+        assert "previous_weights must be one of auto, keep, release, got 'sometimes'" in ext.last_status
+    finally:
+        setattr(host.shared.opts, PREVIOUS_WEIGHTS_OPTION, "auto")
+
+
 def test_skip_and_interrupt_inside_a_batch_count(host: Any, ext: Any, settings: Any) -> None:
     state = host.shared.state
 
