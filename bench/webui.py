@@ -109,6 +109,9 @@ class WebUIBenchSettings:
     """The WebUI's data folder and logs; None: a temporary folder, removed at the end."""
     min_available_gib: float = 18.0
     """Refuse to start with less memory available (the accelerated WebUI reached 14-19 GB)."""
+    previous_weights: str = ""
+    """The extension's setting for the compiled models of the weights used before a change ("auto", "keep",
+    "release"), set before the accelerated requests; empty: the WebUI's (default "auto")."""
 
 
 TINY_SIZES = ((64, 64), (96, 64), (64, 96))
@@ -138,6 +141,8 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
     unknown_rows = [key for key in config.rows if key not in keys]
     if unknown_rows:
         raise ValueError(f"rows: unknown request(s) {', '.join(unknown_rows)}; known: {', '.join(keys)}")
+    if config.previous_weights not in ("", "auto", "keep", "release"):
+        raise ValueError(f"previous_weights must be auto, keep or release, got {config.previous_weights!r}")
     if config.batch < 2:
         raise ValueError(f"batch must be at least 2, got {config.batch}")
     if not testbed_ready(Path(config.testbed)):
@@ -260,6 +265,8 @@ class Scenario:
         self.phase_end("started", 1)
         chosen = self.config.rows
         alive = True
+        if self.config.previous_weights:
+            self.ui.call("/sdapi/v1/options", {"openvino_previous_weights": self.config.previous_weights})
         for mode in ("stock", *self.config.precisions):
             if mode != "stock":
                 self.forget_conditioning()
@@ -327,6 +334,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", type=Path, help="keep the WebUI's data folder and logs here (default: temporary)")
     p.add_argument("--min-available-gib", type=float,
                    help="refuse to start with less available memory (default 18; tiny 0)")
+    p.add_argument("--previous-weights", choices=("auto", "keep", "release"),
+                   help="the extension's setting for the previous checkpoint's or LoRA's compiled models "
+                        "(default: the WebUI's, auto)")
     p.add_argument("--note", help="a sentence printed above the tables (e.g. what else ran on the machine)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each row as it is measured")
     return p
@@ -340,7 +350,7 @@ def main(argv: Sequence[str]) -> int:
                "steps": args.steps, "sizes": tuple(args.sizes) if args.sizes else None, "batch": args.batch,
                "rows": tuple(args.rows) if args.rows else None,
                "testbed": args.testbed, "out": args.out, "name": args.name, "work_dir": args.work_dir,
-               "min_available_gib": args.min_available_gib}
+               "min_available_gib": args.min_available_gib, "previous_weights": args.previous_weights}
     try:
         config = build_settings(options)
     except ValueError as err:

@@ -63,7 +63,7 @@ def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
         "settings": {"tiny": config.tiny, "precisions": list(config.precisions), "steps": config.steps,
                      "sizes": ["x".join(map(str, s)) for s in config.sizes], "batch": config.batch,
                      "rows": list(config.rows), "sampler": "Euler", "cfg_scale": 7,
-                     "testbed": testbed_label(Path(config.testbed))},
+                     "testbed": testbed_label(Path(config.testbed)), "previous_weights": config.previous_weights},
     }
 
 
@@ -104,7 +104,8 @@ def _machine_lines(results: dict[str, Any]) -> list[str]:
         f"- Bench process: {versions}; the WebUI runs in the test bed's own venv ({s['testbed']})",
         f"- Requests: txt2img, Euler, {s['steps']} steps, CFG {s['cfg_scale']}, sizes {', '.join(s['sizes'])}, "
         f"a new prompt each time; {'tiny test models' if s['tiny'] else 'full-size SD 1.5 (random weights)'}",
-    ] + ([f"- Note: {results['note']}"] if results.get("note") else [])
+    ] + ([f"- The extension's setting for the previous weights' compiled models: {s['previous_weights']}"]
+         if s.get("previous_weights") else []) + ([f"- Note: {results['note']}"] if results.get("note") else [])
 
 
 def markdown(results: dict[str, Any]) -> str:

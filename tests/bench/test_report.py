@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.report import isa_cap_note, machine
 
 
@@ -64,3 +66,19 @@ def test_a_new_size_is_also_compared_by_what_it_adds_to_its_run():
     added = next(x for x in lines if x.startswith("| second size / cold first generation, seconds above the run |"))
     assert "0.33x" in whole and "0.10x" in added  # 20/60, and (20-16)/(60-20)
     assert any("depend on the step count" in x for x in lines)
+
+
+def test_the_previous_weights_setting_is_checked_and_named(tmp_path, monkeypatch):
+    from bench.webui import build_settings
+
+    bed = tmp_path / "bed"
+    for folder in ("webui", "venv/bin", "hf-home/hub/models--openai--clip-vit-large-patch14/snapshots/x"):
+        (bed / folder).mkdir(parents=True)
+    for name in ("webui/launch.py", "venv/bin/python",
+                 "hf-home/hub/models--openai--clip-vit-large-patch14/snapshots/x/vocab.json"):
+        (bed / name).write_text("")
+    monkeypatch.setenv("A1111_ROOT", str(bed))
+    assert build_settings({"previous_weights": "release"}).previous_weights == "release"
+    assert build_settings({}).previous_weights == ""
+    with pytest.raises(ValueError, match="previous_weights must be auto, keep or release, got 'sometimes'"):
+        build_settings({"previous_weights": "sometimes"})
