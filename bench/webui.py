@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from bench import webui_report
 from bench.webui_host import BenchWebUI, write_kohya_lora
 from ov_backend.memory import system_memory
+from ov_backend.settings import PREVIOUS_WEIGHTS
 from tests.real_webui.webui import (
     CHECKPOINT_A,
     CHECKPOINT_B,
@@ -141,8 +142,8 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
     unknown_rows = [key for key in config.rows if key not in keys]
     if unknown_rows:
         raise ValueError(f"rows: unknown request(s) {', '.join(unknown_rows)}; known: {', '.join(keys)}")
-    if config.previous_weights not in ("", "auto", "keep", "release"):
-        raise ValueError(f"previous_weights must be auto, keep or release, got {config.previous_weights!r}")
+    if config.previous_weights and config.previous_weights not in PREVIOUS_WEIGHTS:
+        raise ValueError(f"previous_weights must be {' or '.join(PREVIOUS_WEIGHTS)}, got {config.previous_weights!r}")
     if config.batch < 2:
         raise ValueError(f"batch must be at least 2, got {config.batch}")
     if not testbed_ready(Path(config.testbed)):
@@ -334,7 +335,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", type=Path, help="keep the WebUI's data folder and logs here (default: temporary)")
     p.add_argument("--min-available-gib", type=float,
                    help="refuse to start with less available memory (default 18; tiny 0)")
-    p.add_argument("--previous-weights", choices=("auto", "keep", "release"),
+    p.add_argument("--previous-weights", choices=PREVIOUS_WEIGHTS,
                    help="the extension's setting for the previous checkpoint's or LoRA's compiled models "
                         "(default: the WebUI's, auto)")
     p.add_argument("--note", help="a sentence printed above the tables (e.g. what else ran on the machine)")

@@ -34,18 +34,20 @@ def test_the_webui_results_name_no_folder_of_the_machine(tmp_path):
     assert testbed_label(tmp_path / "a1111") == "$A1111_ROOT"
 
 
+def fake_test_bed(bed):
+    """The files that make a folder count as a test bed (``testbed_ready``), empty."""
+    for name in ("webui/launch.py", "venv/bin/python",
+                 "hf-home/hub/models--openai--clip-vit-large-patch14/snapshots/x/vocab.json"):
+        (bed / name).parent.mkdir(parents=True, exist_ok=True)
+        (bed / name).write_text("")
+    return bed
+
+
 def test_a_relative_test_bed_is_taken_from_where_the_bench_started(tmp_path, monkeypatch):
     # the WebUI runs in its own folder: "build/a1111-testbed" given from the checkout must still name it there
     from bench.webui import build_settings
 
-    bed = tmp_path / "bed"
-    (bed / "webui").mkdir(parents=True)
-    (bed / "webui" / "launch.py").write_text("")
-    (bed / "venv" / "bin").mkdir(parents=True)
-    (bed / "venv" / "bin" / "python").write_text("")
-    vocab = bed / "hf-home" / "hub" / "models--openai--clip-vit-large-patch14" / "snapshots" / "x"
-    vocab.mkdir(parents=True)
-    (vocab / "vocab.json").write_text("{}")
+    bed = fake_test_bed(tmp_path / "bed")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("A1111_ROOT", "bed")
     assert build_settings({}).testbed == bed
@@ -71,14 +73,9 @@ def test_a_new_size_is_also_compared_by_what_it_adds_to_its_run():
 def test_the_previous_weights_setting_is_checked_and_named(tmp_path, monkeypatch):
     from bench.webui import build_settings
 
-    bed = tmp_path / "bed"
-    for folder in ("webui", "venv/bin", "hf-home/hub/models--openai--clip-vit-large-patch14/snapshots/x"):
-        (bed / folder).mkdir(parents=True)
-    for name in ("webui/launch.py", "venv/bin/python",
-                 "hf-home/hub/models--openai--clip-vit-large-patch14/snapshots/x/vocab.json"):
-        (bed / name).write_text("")
+    bed = fake_test_bed(tmp_path / "bed")
     monkeypatch.setenv("A1111_ROOT", str(bed))
     assert build_settings({"previous_weights": "release"}).previous_weights == "release"
     assert build_settings({}).previous_weights == ""
-    with pytest.raises(ValueError, match="previous_weights must be auto, keep or release, got 'sometimes'"):
+    with pytest.raises(ValueError, match="previous_weights must be auto or keep or release, got 'sometimes'"):
         build_settings({"previous_weights": "sometimes"})
