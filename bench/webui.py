@@ -64,6 +64,10 @@ class Row(NamedTuple):
     long_prompt: bool = False
     """A prompt of two 75-token chunks: A1111 runs the UNet at a batch of 1 for the prompt and for the
     negative prompt apart (their conditionings differ in length)."""
+    prompts_job: int = 0
+    """A job of this many prompts through A1111's "Prompts from file or textbox" script (one
+    ``process_images`` call each), accelerated by the always-on section; 0: a plain request through the
+    dropdown entry."""
 
 
 ROWS: tuple[Row, ...] = (
@@ -78,7 +82,11 @@ ROWS: tuple[Row, ...] = (
     Row("switch_back", "switch back", 0, False, 0, None),
     Row("lora", "LoRA added (weight 1)", 0, False, 0, 1.0),
     Row("lora_change", "LoRA weight 1 -> 0.5", 0, False, 0, 0.5),
+    Row("prompts_file", "Prompts from file: a job of 4 prompts (section)", 0, False, 0, None, prompts_job=4),
 )
+#: The always-on section's title (its name in ``alwayson_scripts``).
+SECTION_TITLE = "OpenVINO"
+PROMPTS_SCRIPT = "prompts from file or textbox"
 RESTART = Row("restart", "first generation after a restart (warm cache)", 0, False, 0, None)
 
 
@@ -188,10 +196,14 @@ class Scenario:
             prompt += ", " + ", ".join(f"detail {i}" for i in range(40))  # about 120 tokens
         if row.lora is not None:
             prompt += f" <lora:{self.lora}:{row.lora:g}>"
-        return {"prompt": prompt, "negative_prompt": "blurry, low quality", "seed": 1234, "steps": self.config.steps,
-                "width": width, "height": height, "sampler_name": "Euler", "cfg_scale": 7,
-                "batch_size": self.config.batch if row.batch else 1, "n_iter": 1, "save_images": False,
-                "send_images": True}
+        payload = {"prompt": prompt, "negative_prompt": "blurry, low quality", "seed": 1234,
+                   "steps": self.config.steps, "width": width, "height": height, "sampler_name": "Euler",
+                   "cfg_scale": 7, "batch_size": self.config.batch if row.batch else 1, "n_iter": 1,
+                   "save_images": False, "send_images": True}
+        if row.prompts_job:
+            lines = "\n".join(f"{prompt}, variation {i}" for i in range(row.prompts_job))
+            payload.update(script_name=PROMPTS_SCRIPT, script_args=[False, False, "start", lines])
+        return payload
 
     def switch(self, index: int) -> float | None:
         if index == self.current:
@@ -221,7 +233,9 @@ class Scenario:
         try:
             record["load_seconds"] = self.switch(row.checkpoint)
             payload = self.payload(row)
-            if mode != "stock":
+            if mode != "stock" and row.prompts_job:
+                payload["alwayson_scripts"] = {SECTION_TITLE: {"args": [True, *script_args(mode)]}}
+            elif mode != "stock":
                 payload.update(script_name=SCRIPT_NAME, script_args=script_args(mode))
             timed = self.ui.timed_generate(payload)
             record.update(seconds=timed.seconds, s_per_it=timed.s_per_it, s_per_it_from_progress=timed.from_progress,
@@ -237,7 +251,8 @@ class Scenario:
                 record.update({k: status.get(k) for k in ("accelerated", "compiles", "compile_seconds",
                                                           "convert_seconds", "released", "kept_previous", "run_seconds",
                                                           "cache_hits",
-                                                          "ov_calls", "eager_calls", "lora_write_seconds")})
+                                                          "ov_calls", "eager_calls", "lora_write_seconds",
+                                                          "generations")})
                 record["status"] = status.get("status", "")
         except (AssertionError, OSError, RuntimeError) as err:
             record["error"] = str(err)[:2000]

@@ -1,7 +1,8 @@
 """Accelerate with OpenVINO: the AUTOMATIC1111 WebUI adapter.
 
 The only package that imports A1111's ``modules`` and gradio (all through :mod:`.host`). The entry
-point ``scripts/openvino_accelerate.py`` calls :func:`create_extension` and exposes its Script.
+point ``scripts/openvino_accelerate.py`` calls :func:`create_extension` and exposes its two Scripts: the
+dropdown entry and the always-on section.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ class Loaded:
 
     extension: Extension
     script_class: type
+    """The dropdown entry "Accelerate with OpenVINO"."""
+    section_class: type
+    """The always-on "OpenVINO" section."""
 
     def register_callbacks(self) -> None:
         """Register the A1111 callbacks (A1111 clears and re-runs them on reload)."""
         from .api import add_routes
         from .ui import add_settings_section, on_infotext_pasted
+        from .xyz_axes import register_axes
 
         callbacks = host.script_callbacks()
         callbacks.on_ui_settings(lambda: add_settings_section(self.extension))
@@ -36,11 +41,14 @@ class Loaded:
         callbacks.on_cfg_denoiser(self.extension.on_cfg_denoiser)
         callbacks.on_script_unloaded(self.extension.unload)
         callbacks.on_app_started(lambda _demo, app: add_routes(app, self.extension))
+        callbacks.on_before_ui(lambda: register_axes(self.extension))
 
 
 def create_extension() -> Loaded:
-    """Create the extension's runtime and its Script class."""
+    """Create the extension's runtime and its Script classes."""
     from .script import make_script_class
+    from .section import make_section_class
 
     extension = Extension()
-    return Loaded(extension=extension, script_class=make_script_class(extension))
+    return Loaded(extension=extension, script_class=make_script_class(extension),
+                  section_class=make_section_class(extension))

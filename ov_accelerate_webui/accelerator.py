@@ -8,19 +8,11 @@ starts at full speed. The backend itself notices weight changes (LoRA, a new VAE
 the same modules) and shapes; this object notices a checkpoint the last generation did not use and
 drops what belonged to the others. All methods are thread-safe.
 
-Every routed call is checked: if dynamo ran it without any compiled graph (it gave up on the function,
-e.g. after its recompile limit, and runs it in plain PyTorch from then on), the call is counted with the
-reason, and the run's status and a WARNING say so.
+Every routed call is checked (:mod:`.compiled_route`): a call dynamo ran without a compiled graph is
+counted with the reason; at automatic precision, a non-finite output from finite inputs moves the route to
+its f32 build for as long as its compiled forward lives (:mod:`.finite_guard`); a call whose work the WebUI
+changed in a way OpenVINO does not take (Token merging) runs in PyTorch. The run's status says each.
 
-At automatic precision (bf16/f16 where the device has it) every routed call's output is also checked for
-inf and NaN (:mod:`.finite_guard`). A non-finite output from finite inputs makes that route run at f32
-from then on: its f32 build (compiled by the backend for the same options at f32, on the spot) runs the
-call again and that result is returned, so no inf or NaN made by low precision reaches A1111 (or its
-conditioning cache). The route keeps its f32 build as long as its compiled forward lives (until another
-checkpoint or a script reload). A WARNING and the run's status say so. A call that is not finite at f32
-either is the model's own NaN: its f32 result is returned as is, once, for A1111's NaN check.
-
-What a routed call does (sizes, the eager check, the f32 switch) is in :mod:`.compiled_route`.
 """
 
 from __future__ import annotations
@@ -39,7 +31,7 @@ from .backend_bridge import BackendApi, backend_module
 from .compiled_route import VARYING_DIMS, CompiledRoute, compile_route, make_forward
 from .finite_guard import F32Switch
 from .lora import LoraChange, LoraHook
-from .model_parts import Target, checkpoint_key, find_targets
+from .model_parts import PYTORCH_CHECKS, Target, checkpoint_key, find_targets
 from .routing import Route
 from .settings import PRECISION_F32, PRECISION_NAMES, AccelerateSettings
 
@@ -79,6 +71,9 @@ class PreparedRun:
     """Calls of each entry before the run."""
     eager_before: tuple[int, ...] = ()
     """Calls of each entry that ran in plain PyTorch before the run."""
+    pytorch_before: tuple[int, ...] = ()
+    """Calls of each entry run on the module's own method (``compiled_route.make_forward``'s bypass) before
+    the run."""
     key: BackendKey = ("", False, "", "")
     """The backend options key of ``backend``."""
     f32_options: Mapping[str, Any] | None = None
@@ -119,6 +114,8 @@ class Accelerator:
         self._counters: dict[BackendKey, GraphRunCounter] = {}
         self._compiled: dict[tuple[BackendKey, str], list[CompiledRoute]] = {}
         self._lora = LoraHook(self._lock)
+        self.on_pytorch: Callable[[CompiledRoute, str], None] | None = None
+        """Told (route, why) when a routed call runs in PyTorch (set by the generation running)."""
 
     def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str, window: str = WINDOW_NEW,
                 previous_weights: str | None = None) -> PreparedRun:
@@ -233,6 +230,7 @@ class Accelerator:
             entries=tuple(entries),
             calls_before=tuple(e.calls for e in entries),
             eager_before=tuple(e.eager_calls for e in entries),
+            pytorch_before=tuple(e.pytorch_calls for e in entries),
             key=key,
             f32_options=f32_options,
             f32_before=tuple(e.f32 is not None for e in entries),
@@ -293,7 +291,9 @@ class Accelerator:
 
     def _make_forward(self, entry: CompiledRoute, f32_options: Mapping[str, Any] | None) -> Callable[..., Any]:
         f32_build = None if f32_options is None else (lambda: self._f32_build(entry, f32_options))
-        return self._lora.wrap(make_forward(entry, self._lock, self._notify, f32_build), entry)
+        forward = make_forward(entry, self._lock, self._notify, f32_build, PYTORCH_CHECKS.get(entry.part),
+                               lambda route, why: self.on_pytorch(route, why) if self.on_pytorch else None)
+        return self._lora.wrap(forward, entry)
 
     def lora_changes(self) -> list[LoraChange]:
         """The routes whose LoRA changed since the last call (then cleared)."""

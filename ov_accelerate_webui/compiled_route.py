@@ -91,6 +91,10 @@ class CompiledRoute:
     """The name of the module's method the route replaces."""
     captures: SavedCaptures | None = None
     """dynamo's captures of the method saved in the disk cache (None: torch.compile captures every process)."""
+    pytorch_calls: int = 0
+    """Calls run on the module's own method because something changed its work in a way OpenVINO does not
+    take (see :func:`make_forward`'s ``bypass``)."""
+    pytorch_reason: str = ""
 
     def release(self) -> int:
         """Release the compiled models of this route and of its f32 build (their converted models stay:
@@ -124,6 +128,8 @@ def make_forward(
     lock: threading.RLock,
     notify: Callable[[str | None], None],
     f32_build: Callable[[], CompiledRoute] | None,
+    bypass: Callable[[Any], str] | None = None,
+    on_bypass: Callable[[CompiledRoute, str], None] | None = None,
 ) -> Callable[..., Any]:
     """The method that replaces ``entry``'s module method while routed.
 
@@ -133,6 +139,10 @@ def make_forward(
         notify: called with "OpenVINO: compiling ..." before a call with a new input signature, and None after.
         f32_build: makes the route's f32 build (called under ``lock``, once); None when the run is at f32
             already, and then outputs are not checked.
+        bypass: called with the module before each call; a non-empty answer (why) runs the call on the module's
+            own method in PyTorch, counted in ``entry.pytorch_calls`` (e.g. the WebUI's Token merging, which
+            rewrites the UNet's blocks into ops OpenVINO cannot take).
+        on_bypass: told (entry, why) of each such call.
     """
     label = PART_LABELS[entry.part]
 
@@ -197,6 +207,15 @@ def make_forward(
         return result
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        module = entry.module_ref() if bypass is not None else None
+        why = bypass(module) if module is not None else ""
+        if why:
+            with lock:
+                entry.pytorch_calls += 1
+                entry.pytorch_reason = why
+            if on_bypass is not None:
+                on_bypass(entry, why)
+            return entry.source(*args, **kwargs)
         with lock:
             entry.calls += 1
             build = entry.f32 or entry

@@ -7,23 +7,20 @@ share it, so a size compiled in one tab is ready in the other.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import cache_owners, host
 from .accelerator import WINDOW_CONTINUE, WINDOW_NEW, WINDOW_OFF, Accelerator
-from .attention import FusedAttention
 from .backend_bridge import BackendApi, BackendUnavailable, backend_module, load_backend
-from .infotext import generation_params
-from .lora import LoraChange, changes_line
+from .generation import Generation, Job, NotAccelerated, RunRecord, run_report
+from .infotext import WRITTEN_KEYS, generation_params
 from .model_parts import UnsupportedModel, checkpoint_key, checkpoint_label
 from .precompile import ReadySizes, Size, parse_sizes
-from .session import RoutingSession
 from .settings import AccelerateSettings
-from .status import run_status
 from .ui import KEEP_SIZES_OPTION, PREVIOUS_WEIGHTS_OPTION
 
 logger = logging.getLogger(__name__)
@@ -42,8 +39,8 @@ class Extension:
         self._accelerator: Accelerator | None = None
         self.ready = ReadySizes()
         self._last_run: dict[str, Any] = {"accelerated": False, "status": "No generation with OpenVINO yet."}
-        self._session: RoutingSession | None = None
-        self._attention: FusedAttention | None = None
+        self._generation: Generation | None = None
+        self._job: Job | None = None
 
     # --- backend -------------------------------------------------------------------------------
     def api(self) -> BackendApi:
@@ -84,70 +81,184 @@ class Extension:
         tab's "keep every compiled size" turns releasing off. ``calibrate``: at INT8, quantize the UNet at
         the end on the steps recorded so far (False for Pre-compile's 1-step runs: too few to calibrate on).
         """
-        model = getattr(p, "sd_model", None) or host.loaded_model()
+        self.finish_stale()
         if not settings.parts:
             return self._run_plain(p, "No part selected: the image was made in plain PyTorch.", logging.INFO)
         try:
+            generation = self.start_generation(p, settings, WINDOW_NEW if new_window else WINDOW_CONTINUE)
+        except NotAccelerated as exc:
+            return self._run_plain(p, str(exc), exc.level)
+        try:
+            processed = host.process_images(p)
+        except BaseException as exc:  # A1111's NansException, an Interrupt, any error: the models are restored
+            self._set_last_run({"accelerated": False, "status": self._end_generation(generation, exc)})
+            raise
+        record = self._finish_generation(p, generation, calibrate)
+        self._set_last_run(run_report(record))
+        if processed is not None:
+            processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + record.status).strip()
+        return processed
+
+    def start_generation(self, p: Any, settings: AccelerateSettings, window: str, section: bool = False) -> Generation:
+        """Route ``p``'s model for one ``process_images`` call (the caller runs it, then
+        :meth:`_finish_generation`); records the settings in ``p``'s infotext.
+
+        Raises:
+            NotAccelerated: the backend is missing, the model cannot be accelerated or the backend
+                rejected the settings; the message says why (the image is still made, in PyTorch).
+        """
+        model = getattr(p, "sd_model", None) or host.loaded_model()
+        try:
             accelerator = self.accelerator()
-            window = (WINDOW_OFF if host.option(KEEP_SIZES_OPTION, False)
-                      else WINDOW_NEW if new_window else WINDOW_CONTINUE)
+            if host.option(KEEP_SIZES_OPTION, False):
+                window = WINDOW_OFF
             prepared = accelerator.prepare(model, settings, host.default_cache_dir(), window,
                                            str(host.option(PREVIOUS_WEIGHTS_OPTION, "auto") or "auto"))
         except (BackendUnavailable, UnsupportedModel) as exc:
-            return self._run_plain(p, f"Accelerate with OpenVINO: {exc}", logging.WARNING)
+            raise NotAccelerated(f"Accelerate with OpenVINO: {exc}", logging.WARNING) from exc
         except ValueError as exc:  # settings the backend rejects, e.g. INT8 without NNCF: the image is still made
-            return self._run_plain(p, f"Accelerate with OpenVINO: not used for this image: {exc}", logging.WARNING)
+            raise NotAccelerated(f"Accelerate with OpenVINO: not used for this image: {exc}", logging.WARNING) from exc
         notes: list[str] = []
-        p.extra_generation_params.update(generation_params(settings))
+        if section:  # X/Y/Z plot's cells share one dict: this cell's entries must not reach the next one's
+            p.extra_generation_params = dict(p.extra_generation_params)
+        p.extra_generation_params.update(generation_params(settings, section=section))
 
         def unsupported(name: str, reason: str) -> None:
             notes.append(f"{name} in PyTorch")
-            p.extra_generation_params.update(generation_params(settings, notes))
+            p.extra_generation_params.update(generation_params(settings, notes, section=section))
             comment = getattr(p, "comment", None)
             if comment is not None:
                 comment(f"Accelerate with OpenVINO: {name} ran in plain PyTorch: {reason}")
 
+        generation = Generation(accelerator, prepared, model, settings, unsupported)
+        generation.owner, generation.section = id(p), section
         cache_folder = settings.backend_options(host.default_cache_dir())["cache_dir"] if settings.model_caching else ""
-        cached_before = self._cache_keys(cache_folder)
-        session = RoutingSession(accelerator, prepared, model, on_unsupported=unsupported)
+        generation.cache_folder, generation.cached_before = cache_folder, self._cache_keys(cache_folder)
+        generation.start()
         with self._lock:
-            self._session = session
-        accelerator.lora_changes()  # from earlier runs: not this run's
-        attention = FusedAttention() if "unet" in settings.parts else None
+            self._generation = generation
+        return generation
+
+    def _end_generation(self, generation: Generation, exc: BaseException | None = None) -> str:
+        """Restore the model of a generation that did not finish; returns the status saying so."""
         with self._lock:
-            self._attention = attention
-        try:
-            with attention or contextlib.nullcontext(), session:
-                processed = host.process_images(p)
-        except BaseException as exc:  # A1111's NansException, an Interrupt, any error: the models are restored
-            stopped = (f"The generation stopped with {type(exc).__name__}: {exc}. The WebUI's models were restored; "
-                       f"calls through OpenVINO before it: {session.calls()}.")
-            self._set_last_run({"accelerated": False, "status": stopped})
-            raise
-        finally:
-            with self._lock:
-                self._session = self._attention = None
-        if calibrate and not host.state().interrupted and accelerator.calibrate(prepared):
-            logger.info("Accelerate with OpenVINO: the UNet was quantized to INT8 on this generation's steps")
-        if cached_before is not None:
-            cache_owners.record(cache_folder, self._cache_keys(cache_folder) - cached_before, checkpoint_label(model))
-        calls, eager = session.calls(), session.eager()
-        reports, stats = accelerator.reports_since(prepared), accelerator.stats_since(prepared)
-        status = run_status(settings, calls, reports, stats, switches=session.events, eager=eager, f32=session.f32(),
-                            attention=attention.replaced if attention else None)
-        lora_changes = accelerator.lora_changes()
-        if lora_changes:
-            status += "\n" + changes_line(lora_changes, reports)
-        logger.info("%s", status)
-        if eager:
-            logger.warning("Accelerate with OpenVINO: %s", backend_module("graph_runs").describe_eager(eager, calls))
-        self._set_last_run(_run_report(status, settings, calls, eager, stats, reports, session.events, lora_changes))
+            if self._generation is generation:
+                self._generation = None
+        status = generation.abort(exc)
+        if status:
+            logger.warning("Accelerate with OpenVINO: %s", status)
+        return status
+
+    def _finish_generation(self, p: Any, generation: Generation, calibrate: bool) -> RunRecord:
+        with self._lock:
+            if self._generation is generation:
+                self._generation = None
+        vae_methods = (str(host.option("sd_vae_decode_method", "")), str(host.option("sd_vae_encode_method", "")))
+        record = generation.finish(calibrate and not host.state().interrupted, vae_methods)
+        if generation.cached_before is not None:
+            cache_owners.record(generation.cache_folder,
+                                self._cache_keys(generation.cache_folder) - generation.cached_before,
+                                checkpoint_label(generation.model))
         if not host.state().interrupted:
-            for checkpoint in session.checkpoints():
-                self._record_sizes(p, checkpoint, settings)
+            for checkpoint in generation.session.checkpoints():
+                self._record_sizes(p, checkpoint, generation.settings)
+        return record
+
+    def finish_stale(self) -> None:
+        """Restore the model of a generation whose ``postprocess`` never came (it stopped with an error)."""
+        with self._lock:
+            generation = self._generation
+            job = self._job
+        if generation is None:
+            return
+        status = self._end_generation(generation)
+        if job is not None and generation.section:
+            job.stopped = status
+            report = job.report()
+            self._set_last_run(report if report is not None else {"accelerated": False, "status": status})
+        else:
+            self._set_last_run({"accelerated": False, "status": status})
+
+    # --- the always-on section -------------------------------------------------------------------
+    def begin_job(self, p: Any) -> None:
+        """A request starts (the section's ``setup`` hook, with the request's ``p``): its generations form
+        one job. ``p.close()``, which A1111 calls when the request ends, however it ends, ends the job."""
+        self.finish_stale()
+        with self._lock:
+            self._job = Job(owner=id(p))
+        close = getattr(type(p), "close", None)
+        if close is None or "close" in vars(p):  # not A1111's processing object, or someone wraps it already
+            return
+        extension, owner, request = self, id(p), weakref.ref(p)  # (no cycle through p: it is freed as before)
+
+        def close_and_end_job(*args: Any, **kwargs: Any) -> Any:
+            try:
+                extension.end_job(owner)
+            finally:  # the request's own close runs whatever happened
+                target = request()
+                result = close(target, *args, **kwargs) if target is not None else None
+            return result
+
+        p.close = close_and_end_job
+
+    def end_job(self, owner: int) -> None:
+        """The request with ``p`` of id ``owner`` ended: restore anything still routed, forget the job."""
+        self.finish_stale()
+        with self._lock:
+            if self._job is not None and self._job.owner == owner:
+                self._job = None
+
+    def section_process(self, p: Any, settings: AccelerateSettings | None, why_plain: str, error: bool = False) -> None:
+        """The section's ``process`` hook: start routing ``p``'s generation with ``settings`` (None: the
+        section is off for it, ``why_plain`` says why; ``error``: because its arguments were wrong, which the
+        status route then says)."""
+        self.finish_stale()
+        with self._lock:
+            job = self._job
+            if job is None:  # a generation with no request around it (another extension's own p)
+                job = self._job = Job(owner=id(p))
+        if settings is None or not settings.parts:
+            if any(key in p.extra_generation_params for key in WRITTEN_KEYS):  # a cell before this one's
+                p.extra_generation_params = {k: v for k, v in p.extra_generation_params.items()
+                                             if k not in WRITTEN_KEYS}
+            job.plain.append(why_plain if settings is None else "no part selected")
+            report = job.report()
+            if report is not None:  # the job's status also says which of its generations ran in PyTorch
+                self._set_last_run(report)
+            if error and not job.started:
+                self._set_last_run({"accelerated": False, "status": f"Accelerate with OpenVINO: {why_plain}"})
+            return
+        window = WINDOW_CONTINUE if job.started else WINDOW_NEW
+        try:
+            self.start_generation(p, settings, window, section=True)
+        except NotAccelerated as exc:
+            logger.log(exc.level, "%s", exc)
+            comment = getattr(p, "comment", None)
+            if comment is not None:
+                comment(str(exc))
+            job.plain.append(str(exc))
+            if not job.records:
+                self._set_last_run({"accelerated": False, "status": str(exc)})
+            return
+
+    def section_postprocess(self, p: Any, processed: Any) -> None:
+        """The section's ``postprocess`` hook: finish the generation it started for ``p``; the job's status."""
+        with self._lock:
+            generation, job = self._generation, self._job
+        if generation is None or not generation.section or generation.owner != id(p):
+            return
+        record = self._finish_generation(p, generation, calibrate=True)
+        if job is None:
+            job = Job(owner=id(p))
+        job.records.append(record)
+        self._set_last_run(job.report() or run_report(record))
         if processed is not None:
-            processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + status).strip()
-        return processed
+            processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + record.status).strip()
+
+    def dropdown_active(self) -> bool:
+        """Whether the dropdown script runs the current generation (the section then leaves it alone)."""
+        with self._lock:
+            return self._generation is not None and not self._generation.section
 
     def _run_plain(self, p: Any, message: str, level: int) -> Any:
         logger.log(level, "%s", message)
@@ -258,23 +369,25 @@ class Extension:
         """During a generation: route the model A1111 switched to. Otherwise: drop compiled models of
         checkpoints that are no longer in use."""
         with self._lock:
-            session = self._session
-            if session is None and self._accelerator is not None:
+            generation = self._generation
+            if generation is None and self._accelerator is not None:
                 self._accelerator.forget_unless(model)
-        if session is not None:
-            session.follow(model)
+        if generation is not None:
+            generation.session.follow(model)
 
     def on_cfg_denoiser(self, params: Any) -> None:
         """Before each UNet step: route the loaded model if A1111 switched to it without a
         ``model_loaded`` callback (a model kept in memory, ``sd_checkpoints_limit`` > 1)."""
-        session, attention = self._session, self._attention
-        if attention is not None:
-            attention.ensure()  # a model load inside the generation applied the WebUI's attention again
-        if session is not None:
-            session.follow(host.loaded_model())
+        generation = self._generation
+        if generation is None or not generation.active:
+            return
+        if generation.attention is not None:
+            generation.attention.ensure()  # a model load inside the generation applied the WebUI's attention again
+        generation.session.follow(host.loaded_model())
 
     def unload(self) -> None:
         """Release everything (script reload or WebUI shutdown)."""
+        self.finish_stale()
         with self._lock:
             if self._accelerator is not None:
                 self._accelerator.reset()
@@ -283,35 +396,3 @@ class Extension:
 
 def _set_textinfo(text: str | None) -> None:
     host.state().textinfo = text
-
-
-def _run_report(
-    status: str,
-    settings: AccelerateSettings,
-    calls: dict[str, int],
-    eager: dict[str, tuple[int, str]],
-    stats: dict[str, float],
-    reports: list[Any],
-    switches: list[str],
-    lora_changes: list[LoraChange],
-) -> dict[str, Any]:
-    """The status route's data for a run that went through OpenVINO."""
-    fallbacks: dict[str, str] = {}
-    for report in reports:
-        fallbacks.update(report.fallback_ops)
-    return {
-        "accelerated": True,
-        "status": status,
-        "settings": settings.infotext(),
-        "calls": dict(calls),
-        "eager": {label: {"calls": n, "why": why} for label, (n, why) in eager.items()},
-        "compiles": len(reports),
-        "fallback_ops": fallbacks,
-        "switches": list(switches),
-        "lora_changes": {change.label: change.networks for change in lora_changes},
-        "lora_write_seconds": sum(change.write_seconds for change in lora_changes),
-        **{key: stats.get(key, 0) for key in ("ov_calls", "eager_calls", "cache_hits", "compile_seconds",
-                                               "convert_seconds", "run_seconds", "released", "released_stale",
-                                               "kept_previous", "capture_seconds", "captures_made",
-                                               "captures_saved", "captures_loaded")},
-    }

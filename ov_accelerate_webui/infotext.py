@@ -33,20 +33,33 @@ ENTRY_KEY = "OpenVINO"
 """The infotext key of the settings entry."""
 SCRIPT_KEY = "Script"
 """A1111's infotext key that selects the Script dropdown on paste."""
+SECTION_PASTE_KEY = "OpenVINO section"
+"""The infotext key written when the always-on section made the image (instead of ``Script``); pasted, it
+sets the section's Enable checkbox."""
+SECTION_MARK = "on"
+"""Its value."""
 
 #: Settings field -> the key its pasted value has in A1111's parsed parameters, e.g. "OpenVINO device".
 PASTE_KEYS: dict[str, str] = {item.field: f"{ENTRY_KEY} {item.name}" for item in INFOTEXT_ITEMS}
 
 
-def generation_params(settings: AccelerateSettings, notes: Sequence[str] = ()) -> dict[str, str]:
+def generation_params(settings: AccelerateSettings, notes: Sequence[str] = (), section: bool = False) -> dict[str, str]:
     """The entries for ``p.extra_generation_params``.
 
     Args:
         settings: the settings of the run.
         notes: what the run did differently, e.g. "refiner in PyTorch" (appended after "; ").
+        section: the always-on section made the image (it marks itself, and leaves "Script" to the
+            dropdown script that ran, if any); else the dropdown entry did.
     """
     entry = settings.infotext() + "".join(INFOTEXT_NOTE_SEPARATOR + note for note in notes)
+    if section:
+        return {ENTRY_KEY: entry, SECTION_PASTE_KEY: SECTION_MARK}
     return {SCRIPT_KEY: TITLE, ENTRY_KEY: entry}
+
+
+#: Every key :func:`generation_params` may write (a generation the section leaves in PyTorch removes them).
+WRITTEN_KEYS = (ENTRY_KEY, SECTION_PASTE_KEY)
 
 
 def infotext_fields(components: Mapping[str, Any]) -> list[tuple[Any, str]]:
@@ -63,12 +76,15 @@ def paste_field_names() -> list[str]:
     return list(PASTE_KEYS.values())
 
 
-def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, str]]) -> list[str]:
+def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, str]],
+                  section_default: bool = False) -> list[str]:
     """Split a pasted "OpenVINO" entry into :data:`PASTE_KEYS` entries of ``params`` (in place).
 
     A value that cannot be used is left out, so A1111 leaves that control as it is: a slot that cannot
     be read, or a device this machine does not have. An infotext written before the "Script" entry was
-    (only "OpenVINO") still selects the script.
+    (only "OpenVINO") still selects the script. The section's Enable is set as the image was made (on for
+    an image the section made, off for one the dropdown entry made) and, for an image without an "OpenVINO"
+    entry, to ``section_default`` (Settings -> OpenVINO -> "Enable for every generation").
 
     Args:
         params: A1111's parsed infotext (the ``on_infotext_pasted`` callback's second argument).
@@ -78,6 +94,9 @@ def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, st
         What could not be pasted, one sentence each (also logged as one WARNING).
     """
     text = params.get(ENTRY_KEY)
+    by_section = params.get(SECTION_PASTE_KEY) == SECTION_MARK
+    # the section's Enable as the image was made; an image that does not say: the user's default
+    params[SECTION_PASTE_KEY] = by_section if isinstance(text, str) else section_default
     if not isinstance(text, str):
         return []
     values, problems = parse_infotext(text)
@@ -91,7 +110,8 @@ def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, st
             values["device"] = label
     for field, value in values.items():
         params[PASTE_KEYS[field]] = value
-    params.setdefault(SCRIPT_KEY, TITLE)
+    if not by_section:
+        params.setdefault(SCRIPT_KEY, TITLE)
     if problems:
         logger.warning(
             "Accelerate with OpenVINO: pasted %s: %r: %s; the panel keeps its current value for these",

@@ -239,3 +239,20 @@ def checkpoint_key(model: Any) -> str:
     filename = getattr(info, "filename", None) or type(model).__name__
     digest = getattr(model, "sd_model_hash", None) or getattr(info, "sha256", None) or ""
     return f"{filename} [{digest}]"
+
+
+def token_merging(unet: Any) -> str:
+    """Why ``unet`` must run in PyTorch now, or "": A1111's Token merging (Settings -> Optimizations) patches
+    it with tomesd for a generation (its forward pre-hook and ``ToMeBlock`` classes, removed afterwards),
+    whose token gathers and scatters OpenVINO cannot convert (they would fall back op by op, break dynamo's
+    graph at every block and use up its recompile limit)."""
+    info = getattr(unet, "_tome_info", None)
+    if not isinstance(info, dict) or not info.get("hooks"):
+        return ""
+    ratio = (info.get("args") or {}).get("ratio")
+    return (f"Token merging is on (ratio {ratio}, Settings -> Optimizations): tomesd rewrites the UNet's "
+            "transformer blocks with token scatters OpenVINO cannot convert; set the ratio to 0 to run it in OpenVINO")
+
+
+#: Part -> the check that says when a call of that part must run in PyTorch (see ``compiled_route.make_forward``).
+PYTORCH_CHECKS = {"unet": token_merging}

@@ -169,3 +169,19 @@ class RoutingSession:
                         key = f"{name}: {entry.label}" if name else entry.label
                         result[key] = (entry.eager_calls - before, entry.eager_reason)
         return result
+
+    def pytorch(self) -> dict[str, tuple[int, str]]:
+        """Route label (named as in :meth:`calls`) -> (calls run on the module's own method in PyTorch, why);
+        only routes that had such calls."""
+        result: dict[str, tuple[int, str]] = {}
+        seen: set[int] = set()
+        with self._lock:
+            for run, name in zip(self.runs, self.run_names):
+                for entry, before in zip(run.entries, run.pytorch_before):
+                    if id(entry) in seen:
+                        continue
+                    seen.add(id(entry))
+                    if entry.pytorch_calls > before:
+                        key = f"{name}: {entry.label}" if name else entry.label
+                        result[key] = (entry.pytorch_calls - before, entry.pytorch_reason)
+        return result

@@ -30,6 +30,7 @@ def run_status(
     eager: Mapping[str, tuple[int, str]] | None = None,
     f32: Mapping[str, tuple[F32Switch, bool]] | None = None,
     attention: str | None = None,
+    pytorch: Mapping[str, tuple[int, str]] | None = None,
 ) -> str:
     """What ran in OpenVINO, what fell back to PyTorch and why, compile vs run time, cache hits, device.
 
@@ -44,6 +45,8 @@ def run_status(
             during this run).
         attention: the WebUI's cross-attention optimization the routed UNet's attention replaced by one
             scaled-dot-product attention (None: none replaced).
+        pytorch: label of a routed module -> (calls run in PyTorch on its own method, why): work that
+            something else in the WebUI changed in a way OpenVINO does not take.
     """
     reports = list(reports)
     devices = sorted({r.device for r in reports}) or [settings.device]
@@ -58,6 +61,8 @@ def run_status(
         lines.append("Model switches during the generation: " + "; ".join(switches) + ".")
     if eager:
         lines.append(backend_module("graph_runs").describe_eager(eager, routed))
+    for label, (count, why) in (pytorch or {}).items():
+        lines.append(f"Ran in PyTorch, not OpenVINO: {label} ({_calls(count)}): {why}.")
     lines.extend(f32_lines(f32 or {}))
     hashed = stats.get("hash_seconds", 0.0)
     lines.append(
@@ -97,7 +102,7 @@ def run_status(
             "No new compile: compiled models reused."
             if not reports
             else "No op of the graphs compiled in this run fell back to PyTorch."
-            if eager
+            if eager or pytorch
             else "Nothing fell back to PyTorch."
         )
     return "\n".join(lines)

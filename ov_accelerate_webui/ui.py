@@ -72,6 +72,15 @@ PREVIOUS_WEIGHTS_LABEL = (
 )
 
 
+#: Settings-tab option: the always-on section's Enable is on by default (new page loads, API requests that do
+#: not send the section's arguments).
+ENABLE_ALWAYS_OPTION = OPTION_PREFIX + "enable_always"
+ENABLE_ALWAYS_LABEL = (
+    "Enable for every generation: the OpenVINO section of txt2img and img2img starts enabled (on a new page "
+    "load; API requests that do not send the section's arguments after a restart of the WebUI)"
+)
+
+
 def option_key(name: str) -> str:
     """Settings-tab key of a settings field, e.g. "openvino_device"."""
     return OPTION_PREFIX + name
@@ -281,7 +290,8 @@ def on_infotext_pasted(extension: Any, infotext: str, params: dict[str, Any]) ->
     """A1111's ``on_infotext_pasted`` callback: put the "OpenVINO" entry's values under the keys of the
     panel's ``infotext_fields`` (see :func:`infotext.expand_pasted`); what cannot be pasted is also
     shown to the user as a gradio warning."""
-    for problem in expand_pasted(params, _device_choices(extension)):
+    default = bool(host.option(ENABLE_ALWAYS_OPTION, False))
+    for problem in expand_pasted(params, _device_choices(extension), section_default=default):
         host.gradio().Warning(f"Accelerate with OpenVINO: not pasted: {problem}")
 
 
@@ -297,6 +307,7 @@ def add_settings_section(extension: Any) -> None:
             kwargs = {"component": gr.Radio, "component_args": {"choices": list(PRECISIONS)}}
         label = f"{f.metadata['label']} (default of the panel)"
         host.add_option(option_key(f.name), getattr(DEFAULTS, f.name), label, SECTION, **kwargs)
+    host.add_option(ENABLE_ALWAYS_OPTION, False, ENABLE_ALWAYS_LABEL, SECTION)
     host.add_option(KEEP_SIZES_OPTION, False, KEEP_SIZES_LABEL, SECTION)
     host.add_option(PREVIOUS_WEIGHTS_OPTION, "auto", PREVIOUS_WEIGHTS_LABEL, SECTION, component=gr.Radio,
                     component_args={"choices": list(PREVIOUS_WEIGHTS_CHOICES)})

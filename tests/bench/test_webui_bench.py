@@ -37,7 +37,7 @@ def test_tiny_run_measures_every_row(tmp_path):
         for mode in ("stock", "auto"):
             record = rows[(mode, row.key)]
             assert "error" not in record, record
-            assert record["seconds"] > 0 and record["images"] == record["batch"], record
+            assert record["seconds"] > 0 and record["images"] == (row.prompts_job or record["batch"]), record
             assert record["peak"] > 0, record
     for row in (*ROWS, RESTART):
         record = rows[("auto", row.key)]
@@ -51,6 +51,8 @@ def test_tiny_run_measures_every_row(tmp_path):
     assert rows[("auto", "long")]["convert_seconds"] == 0, rows[("auto", "long")]["status"]
     assert rows[("auto", "restart")]["cache_hits"] > 0, rows[("auto", "restart")]["status"]
     assert rows[("auto", "first")]["compiles"] > 0 and rows[("auto", "first")]["compile_seconds"] > 0
+    # the Prompts-from-file job went through the always-on section: one status for its 4 generations
+    assert rows[("auto", "prompts_file")]["generations"] == 4, rows[("auto", "prompts_file")]["status"]
     # every accelerated image is compared with stock's for the same request (at auto: bf16 where the CPU has it)
     for row in (*ROWS, RESTART):
         assert rows[("auto", row.key)]["psnr_vs_stock"] > 25, (row.key, rows[("auto", row.key)].get("psnr_vs_stock"))

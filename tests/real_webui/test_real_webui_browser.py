@@ -105,3 +105,31 @@ def test_generate_in_the_page_shows_the_status_under_the_images(page: Any, webui
     assert js(page, "return document.querySelectorAll('#txt2img_gallery img').length") >= 1
     status = webui.status()
     assert status["accelerated"] and status["eager_calls"] == 0 and status["ov_calls"] > 0, status
+
+
+SECTION = "script_txt2img_openvino"
+
+
+def section_enabled(driver: Any) -> bool:
+    return js(driver, f"return document.querySelector('#{SECTION}_enabled input').checked")
+
+
+def test_paste_back_enables_the_section_and_a_generation_goes_through_it(page: Any, webui: WebUI) -> None:
+    paste(page, 'a green tram in the city\nNegative prompt: blurry\nSteps: 3, Sampler: Euler, CFG scale: 5, Seed: 9, '
+                'Size: 64x64, OpenVINO: "CPU, UNet+VAE+TE, f32", OpenVINO section: on')
+    WebDriverWait(page, 60).until(lambda d: section_enabled(d) and js(
+        d, f"const e = document.querySelector('#{SECTION}_precision input:checked'); return e && e.value")
+        == "Full precision (f32)")
+    assert script_choice(page) == "None"  # made by the section: no dropdown script
+    page.find_element(By.CSS_SELECTOR, "#txt2img_generate").click()
+    info = WebDriverWait(page, 600).until(lambda d: js(
+        d, "const e = document.querySelector('#html_info_txt2img'); "
+           "return e && e.innerText.includes('a green tram') ? e.innerText : null"))
+    log = js(page, "return document.querySelector('#html_log_txt2img').innerText")
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, f32"' in info and "OpenVINO section: on" in info, info
+    assert "OpenVINO (CPU, UNet+VAE+TE, f32)" in log, log
+    status = webui.status()
+    assert status["accelerated"] and status["eager_calls"] == 0 and status["ov_calls"] > 0, status
+
+    paste(page, "a green tram in the city\nSteps: 3, Seed: 9, Size: 64x64")  # a stock image: the default (off)
+    WebDriverWait(page, 60).until(lambda d: not section_enabled(d))

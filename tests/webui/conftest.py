@@ -86,7 +86,8 @@ def extension(fake_host: SimpleNamespace, backend_api: Any) -> Any:
     from ov_accelerate_webui.extension import Extension
 
     ext = Extension(load_api=lambda: backend_api)
-    Loaded(extension=ext, script_class=object).register_callbacks()  # model_loaded, cfg_denoiser, as A1111
+    # model_loaded, cfg_denoiser, as A1111
+    Loaded(extension=ext, script_class=object, section_class=object).register_callbacks()
     yield ext
     ext.unload()
 

@@ -97,7 +97,7 @@ def overflowing(fake_host: SimpleNamespace, backend_api: Any) -> Iterator[Callab
 
         api = dataclasses.replace(backend_api, backend_class=backend_class)
         ext = Extension(load_api=lambda: api)
-        Loaded(extension=ext, script_class=object).register_callbacks()
+        Loaded(extension=ext, script_class=object, section_class=object).register_callbacks()
         made.append(ext)
         return ext, runs
 

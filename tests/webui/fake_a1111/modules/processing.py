@@ -125,6 +125,10 @@ class StableDiffusionProcessing:
     def sd_model(self, value: Any) -> None:
         pass
 
+    def close(self) -> None:
+        """A1111 calls it when the request ends (``with closing(p)``), however it ends."""
+        self.sampler = None
+
     def comment(self, text: str) -> None:
         self.comments[text] = 1
 

@@ -13,6 +13,7 @@ callback_map: dict[str, list[Callable[..., Any]]] = {
     "callbacks_app_started": [],
     "callbacks_cfg_denoiser": [],
     "callbacks_infotext_pasted": [],
+    "callbacks_before_ui": [],
 }
 
 
@@ -61,6 +62,15 @@ def on_cfg_denoiser(callback: Callable[[CFGDenoiserParams], None]) -> None:
 
 def on_infotext_pasted(callback: Callable[[str, dict[str, Any]], None]) -> None:
     callback_map["callbacks_infotext_pasted"].append(callback)
+
+
+def on_before_ui(callback: Callable[[], None]) -> None:
+    callback_map["callbacks_before_ui"].append(callback)
+
+
+def before_ui_callback() -> None:
+    for c in callback_map["callbacks_before_ui"]:
+        c()
 
 
 def ui_settings_callback() -> None:

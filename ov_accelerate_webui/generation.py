@@ -1,0 +1,294 @@
+"""One accelerated ``process_images`` call (:class:`Generation`) and a job of several (:class:`Job`).
+
+The dropdown script wraps ``process_images`` in one ``with`` block; the always-on section cannot: A1111
+calls its ``process`` hook before the model is used and its ``postprocess`` hook after, and a dropdown
+script (X/Y/Z plot, Prompts from file, SD upscale, Loopback ...) may call ``process_images`` many times
+in one job. So a generation is started and finished by two calls, and an error between them (no
+``postprocess``) is finished by whoever comes next: the next generation, the end of the job (the
+request's ``p.close()``), a model load or the script's unload. Nothing stays routed after any of them.
+
+A job is what one press of Generate (or one API request) runs: its generations share compiled models
+(the first starts a new use window, the others continue it) and the status route reports the job as a
+whole, with each generation's line in ``runs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .accelerator import Accelerator, PreparedRun
+from .attention import FusedAttention
+from .backend_bridge import backend_module
+from .finite_guard import F32Switch
+from .lora import LoraChange, changes_line
+from .session import RoutingSession
+from .settings import PART_LABELS, AccelerateSettings
+from .status import run_status
+
+logger = logging.getLogger(__name__)
+
+#: The counters of a run that the status route reports (summed over a job's generations).
+STAT_KEYS = ("ov_calls", "eager_calls", "cache_hits", "compile_seconds", "convert_seconds", "run_seconds", "released",
+             "released_stale", "kept_previous", "capture_seconds", "captures_made", "captures_saved",
+             "captures_loaded", "hash_seconds")
+
+
+class NotAccelerated(Exception):
+    """The generation cannot go through OpenVINO; the message says why (the image is made in PyTorch)."""
+
+    def __init__(self, message: str, level: int) -> None:
+        super().__init__(message)
+        self.level = level
+
+
+@dataclass
+class RunRecord:
+    """What one accelerated ``process_images`` call did: the facts of its status."""
+
+    settings: AccelerateSettings
+    calls: dict[str, int]
+    eager: dict[str, tuple[int, str]]
+    stats: dict[str, float]
+    reports: list[Any]
+    switches: list[str]
+    f32: dict[str, tuple[F32Switch, bool]]
+    attention: str | None
+    lora_changes: list[LoraChange]
+    pytorch: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Route label -> (calls run in PyTorch on the module's own method, why): work OpenVINO does not take."""
+    notes: list[str] = field(default_factory=list)
+    """Why a routed part was not called (e.g. the WebUI decoded with TAESD), one sentence each."""
+    status: str = ""
+
+    def text(self) -> str:
+        unet_in_pytorch = any(label.endswith("diffusion_model") for label in self.pytorch)
+        status = run_status(self.settings, self.calls, self.reports, self.stats, switches=self.switches,
+                            eager=self.eager, f32=self.f32, pytorch=self.pytorch,
+                            attention=None if unet_in_pytorch else self.attention)
+        if self.lora_changes:
+            status += "\n" + changes_line(self.lora_changes, self.reports)
+        return "\n".join([status, *self.notes])
+
+    def summary(self) -> dict[str, Any]:
+        """This generation's line in the job's report."""
+        return {"settings": self.settings.infotext(), "calls": dict(self.calls), "compiles": len(self.reports),
+                "eager_calls": int(self.stats.get("eager_calls", 0)), "ov_calls": int(self.stats.get("ov_calls", 0))}
+
+
+class Generation:
+    """One ``process_images`` call with the chosen parts of the model routed through OpenVINO.
+
+    :meth:`start` routes (and replaces the UNet's attention), :meth:`finish` or :meth:`abort` restores and
+    records what ran; each is safe to call once, in that order, and :meth:`abort` after :meth:`finish`
+    does nothing.
+    """
+
+    def __init__(self, accelerator: Accelerator, prepared: PreparedRun, model: Any, settings: AccelerateSettings,
+                 on_unsupported: Callable[[str, str], None]) -> None:
+        self.accelerator = accelerator
+        self.prepared = prepared
+        self.settings = settings
+        self.session = RoutingSession(accelerator, prepared, model, on_unsupported=on_unsupported)
+        self._on_unsupported = on_unsupported
+        self._said: set[str] = set()
+        self.attention = FusedAttention() if "unet" in settings.parts else None
+        self._stack: contextlib.ExitStack | None = None
+        self.model = model
+        self.owner: int | None = None
+        """``id`` of the ``p`` it runs for (the section finishes only its own)."""
+        self.section = False
+        """Started by the always-on section (else by the dropdown script, around ``process_images``)."""
+        self.cache_folder = ""
+        """The disk cache's folder ("" without one)."""
+        self.cached_before: set[str] | None = None
+        """The disk cache's keys before the generation (None: not known)."""
+
+    @property
+    def active(self) -> bool:
+        return self._stack is not None
+
+    def _ran_in_pytorch(self, route: Any, why: str) -> None:
+        if route.part not in self._said:  # once per part: the infotext's note, the comment under the images
+            self._said.add(route.part)
+            self._on_unsupported(PART_LABELS[route.part], why)
+
+    def start(self) -> None:
+        self.accelerator.lora_changes()  # from earlier runs: not this run's
+        self.accelerator.on_pytorch = self._ran_in_pytorch
+        stack = contextlib.ExitStack()
+        try:
+            if self.attention is not None:
+                stack.enter_context(self.attention)
+            stack.enter_context(self.session)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+
+    def _restore(self, exc: BaseException | None = None) -> None:
+        if self.accelerator.on_pytorch == self._ran_in_pytorch:
+            self.accelerator.on_pytorch = None
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            if exc is None:
+                stack.close()
+            else:
+                stack.__exit__(type(exc), exc, exc.__traceback__)
+
+    def abort(self, exc: BaseException | None = None) -> str:
+        """Restore the model after a generation that did not finish; returns the status saying so."""
+        if self._stack is None:
+            return ""
+        self._restore(exc)
+        why = f"{type(exc).__name__}: {exc}" if exc is not None else "an error (its hooks after the images never ran)"
+        return (f"The generation stopped with {why}. The WebUI's models were restored; calls through OpenVINO "
+                f"before it: {self.session.calls()}.")
+
+    def finish(self, calibrate: bool, vae_methods: tuple[str, str] = ("", "")) -> RunRecord:
+        """Restore the model and record what ran (quantizing the UNet first at INT8 when ``calibrate``).
+        ``vae_methods``: the WebUI's VAE decode and encode methods ("Full", "TAESD"), which say why the VAE
+        was not called."""
+        self._restore()
+        if calibrate and self.accelerator.calibrate(self.prepared):
+            logger.info("Accelerate with OpenVINO: the UNet was quantized to INT8 on this generation's steps")
+        session, prepared = self.session, self.prepared
+        record = RunRecord(
+            settings=self.settings,
+            calls=session.calls(),
+            eager=session.eager(),
+            stats=self.accelerator.stats_since(prepared),
+            reports=self.accelerator.reports_since(prepared),
+            switches=list(session.events),
+            f32=session.f32(),
+            attention=self.attention.replaced if self.attention else None,
+            lora_changes=self.accelerator.lora_changes(),
+            pytorch=session.pytorch(),
+        )
+        record.notes = _uncalled_vae(record.calls, vae_methods)
+        record.status = record.text()
+        logger.info("%s", record.status)
+        if record.eager:
+            logger.warning("Accelerate with OpenVINO: %s",
+                           backend_module("graph_runs").describe_eager(record.eager, record.calls))
+        return record
+
+
+def run_report(record: RunRecord) -> dict[str, Any]:
+    """The status route's data for one generation that went through OpenVINO."""
+    fallbacks: dict[str, str] = {}
+    for report in record.reports:
+        fallbacks.update(report.fallback_ops)
+    return {
+        "accelerated": True,
+        "status": record.status,
+        "settings": record.settings.infotext(),
+        "calls": dict(record.calls),
+        "eager": {label: {"calls": n, "why": why} for label, (n, why) in record.eager.items()},
+        "pytorch": {label: {"calls": n, "why": why} for label, (n, why) in record.pytorch.items()},
+        "compiles": len(record.reports),
+        "fallback_ops": fallbacks,
+        "switches": list(record.switches),
+        "lora_changes": {change.label: change.networks for change in record.lora_changes},
+        "lora_write_seconds": sum(change.write_seconds for change in record.lora_changes),
+        "generations": 1,
+        "plain_generations": 0,
+        "runs": [record.summary()],
+        **{key: record.stats.get(key, 0) for key in STAT_KEYS if key != "hash_seconds"},
+    }
+
+
+@dataclass
+class Job:
+    """The generations of one request (one press of Generate, one API call)."""
+
+    owner: int
+    """``id`` of the request's ``p`` (the one A1111 closes at the end)."""
+    records: list[RunRecord] = field(default_factory=list)
+    plain: list[str] = field(default_factory=list)
+    """Why each generation of the job that ran in plain PyTorch did (e.g. an X/Y/Z cell with OpenVINO off)."""
+    stopped: str = ""
+    """The status of a generation of the job that stopped with an error."""
+
+    @property
+    def started(self) -> bool:
+        """Whether a generation of the job went through OpenVINO already (the next continues its window)."""
+        return bool(self.records)
+
+    def report(self) -> dict[str, Any] | None:
+        """The status route's data for the job so far (None when nothing of it went through OpenVINO)."""
+        if not self.records:
+            return None
+        if len(self.records) == 1 and not self.plain and not self.stopped:
+            return run_report(self.records[0])
+        merged = merge(self.records)
+        merged.status = _job_header(self.records, self.plain) + "\n" + merged.text()
+        if self.stopped:
+            merged.status += "\n" + self.stopped
+        report = run_report(merged)
+        report.update(generations=len(self.records), plain_generations=len(self.plain),
+                      runs=[r.summary() for r in self.records])
+        return report
+
+
+def merge(records: Sequence[RunRecord]) -> RunRecord:
+    """One record for several generations: calls and counters summed, compile reports and events joined."""
+    calls: dict[str, int] = {}
+    eager: dict[str, tuple[int, str]] = {}
+    stats: dict[str, float] = {}
+    f32: dict[str, tuple[F32Switch, bool]] = {}
+    pytorch: dict[str, tuple[int, str]] = {}
+    for record in records:
+        for label, (n, why) in record.pytorch.items():
+            pytorch[label] = (pytorch.get(label, (0, why))[0] + n, why)
+        for label, n in record.calls.items():
+            calls[label] = calls.get(label, 0) + n
+        for label, (n, why) in record.eager.items():
+            eager[label] = (eager.get(label, (0, why))[0] + n, why)
+        for key, value in record.stats.items():
+            stats[key] = stats.get(key, 0) + value
+        for label, (why, now) in record.f32.items():
+            f32[label] = (why, now or f32.get(label, (why, False))[1])
+    return RunRecord(
+        settings=records[0].settings,
+        calls=calls,
+        eager=eager,
+        stats=stats,
+        reports=[report for record in records for report in record.reports],
+        switches=list(dict.fromkeys(s for record in records for s in record.switches)),
+        f32=f32,
+        attention=next((r.attention for r in records if r.attention), None),
+        lora_changes=[change for record in records for change in record.lora_changes],
+        pytorch=pytorch,
+        notes=list(dict.fromkeys(note for record in records for note in record.notes)),
+    )
+
+
+def _job_header(records: Sequence[RunRecord], plain: Sequence[str]) -> str:
+    compiled = sum(1 for r in records if r.reports)
+    settings = list(dict.fromkeys(r.settings.infotext() for r in records))
+    line = (f"This job ran {len(records)} generation(s) through OpenVINO (a script's images: X/Y/Z plot cells, "
+            f"prompts from a file, upscale tiles, loops); they shared the compiled models: "
+            f"{sum(len(r.reports) for r in records)} compile(s) in all, in {compiled} generation(s); "
+            f"{len(records) - compiled} compiled nothing.")
+    if len(settings) > 1:
+        line += " Settings used: " + "; ".join(settings) + " (the line below names the first)."
+    if plain:
+        reasons = list(dict.fromkeys(plain))
+        line += f" {len(plain)} generation(s) of the job ran in plain PyTorch: " + "; ".join(reasons) + "."
+    return line
+
+
+def _uncalled_vae(calls: dict[str, int], methods: tuple[str, str]) -> list[str]:
+    """A sentence for each VAE half that was routed, not called, and replaced by the WebUI's TAESD."""
+    notes = []
+    for half, method, setting in (("decoder", methods[0], "VAE type for decode"),
+                                  ("encoder", methods[1], "VAE type for encode")):
+        routed = [n for label, n in calls.items() if label.endswith(f"first_stage_model.{half}")]
+        if routed and not any(routed) and method == "TAESD":
+            notes.append(f"The VAE {half} was not called: Settings -> VAE -> '{setting}' is TAESD, a small separate "
+                         f"model the WebUI runs in PyTorch (set it to Full to run the VAE {half} in OpenVINO).")
+    return notes

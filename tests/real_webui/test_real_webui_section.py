@@ -1,0 +1,279 @@
+"""The always-on "OpenVINO" section in a real AUTOMATIC1111 WebUI v1.10.1, with the WebUI's own scripts.
+
+Each script runs twice with the same request and seed: stock A1111, then with the section enabled at f32
+(over the API's ``alwayson_scripts``). Every picture must match stock's (>= ``MIN_PSNR`` dB), and the
+status route must show the whole job (all of the script's ``process_images`` calls) ran its UNet, VAE and
+text encoder through OpenVINO with nothing in PyTorch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from .test_real_webui import (
+    F32_ARGS,
+    MIN_PSNR,
+    _unique,
+    assert_ran_in_openvino,
+    encode_image,
+    init_image,
+    min_psnr,
+    request,
+)
+from .webui import SCRIPT_NAME, Result, WebUI, psnr
+
+SECTION = "OpenVINO"
+SECTION_F32 = [True, *F32_ARGS]
+
+
+def with_section(payload: dict[str, Any], args: list[Any] | None = None) -> dict[str, Any]:
+    scripts = dict(payload.get("alwayson_scripts") or {})
+    scripts[SECTION] = {"args": list(SECTION_F32 if args is None else args)}
+    return dict(payload, alwayson_scripts=scripts)
+
+
+def fresh(payload: dict[str, Any]) -> dict[str, Any]:
+    """The same request with a new conditioning-cache key (see test_real_webui's docstring)."""
+    return dict(payload, override_settings=dict(payload["override_settings"], sdxl_crop_top=next(_unique)))
+
+
+def stock_and_section(ui: WebUI, payload: dict[str, Any], kind: str = "txt2img") -> tuple[Result, Result]:
+    """(stock, with the section) for one request; the section's run has its status attached.
+
+    In img2img, A1111 samples the VAE's latent distribution (``encode_first_stage(...).sample()``) with
+    torch's global generator before it seeds that generator for the image's noise, so its picture depends on
+    the request before it (two stock runs of one img2img request after different requests measured 28 dB
+    apart). The same request first, untimed, makes the state before both runs the same.
+    """
+    if kind == "img2img":
+        ui.generate(fresh(payload), kind)
+    stock = ui.generate(fresh(payload), kind)
+    fast = ui.generate(with_section(fresh(payload)), kind)
+    fast.status = ui.status()
+    return stock, fast
+
+
+def assert_job_matches(ui: WebUI, what: str, stock: Result, fast: Result, generations: int,
+                       parts: tuple[str, ...] = ("UNet", "VAE", "TE")) -> None:
+    assert len(stock.images) == len(fast.images) > 0, (len(stock.images), len(fast.images))
+    assert_ran_in_openvino(fast.status, parts)
+    assert fast.status["generations"] == generations, fast.status["status"]
+    assert fast.status["plain_generations"] == 0, fast.status["status"]
+    assert all(run["settings"] == "CPU, UNet+VAE+TE, f32" for run in fast.status["runs"]), fast.status["runs"]
+    value = min_psnr(stock, fast)
+    ui.record(what, value, fast)
+    assert value >= MIN_PSNR, f"{what}: {value:.1f} dB\n{fast.status['status']}"
+
+
+@contextlib.contextmanager
+def webui_option(ui: WebUI, key: str, value: Any) -> Iterator[None]:
+    """A WebUI option set for the requests inside the block, and put back after.
+
+    (Not ``override_settings``: A1111 v1.10.1 puts back only the options that were in its settings file, so
+    an override of an option still at its default stays for every later request.)
+    """
+    before = ui.get("/sdapi/v1/options")[key]
+    ui.call("/sdapi/v1/options", {key: value})
+    try:
+        yield
+    finally:
+        ui.call("/sdapi/v1/options", {key: before})
+
+
+def script_arg_index(ui: WebUI, script: str, label: str, choice: str, img2img: bool = False) -> int:
+    """The index of ``choice`` among the choices of ``script``'s argument ``label`` (X/Y/Z's axis types)."""
+    info = next(s for s in ui.get("/sdapi/v1/script-info") if s["name"] == script and s["is_img2img"] == img2img)
+    arg = next(a for a in info["args"] if a["label"] == label)
+    return arg["choices"].index(choice)
+
+
+def xyz_args(x_type: int, x_values: str, y_type: int = 0, y_values: str = "",
+             x_dropdown: list[str] | None = None) -> list[Any]:
+    return [x_type, x_values, x_dropdown or [], y_type, y_values, [], 0, "", [],
+            True, True, False, False, False, False, False, 0, False]
+
+
+def test_section_is_an_always_on_script_with_a_title_of_its_own(webui: WebUI) -> None:
+    info = webui.get("/sdapi/v1/script-info")
+    for img2img in (False, True):
+        section = next(s for s in info if s["name"] == SECTION.lower() and s["is_img2img"] == img2img)
+        assert section["is_alwayson"], section
+        assert len(section["args"]) == len(SECTION_F32)
+        assert section["args"][0]["value"] is False  # off unless the user turns it on
+        dropdown = next(s for s in info if s["name"] == SCRIPT_NAME and s["is_img2img"] == img2img)
+        assert not dropdown["is_alwayson"]
+
+
+def test_section_txt2img_matches_stock_and_says_so_in_the_infotext(webui: WebUI) -> None:
+    stock, fast = stock_and_section(webui, request("a windmill in a field, (golden hour:1.1)"))
+    assert_job_matches(webui, "section: txt2img", stock, fast, generations=1)
+    infotext = fast.infotexts[0]
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, f32"' in infotext and "OpenVINO section: on" in infotext, infotext
+    assert "Script: Accelerate with OpenVINO" not in infotext, infotext
+    assert "OpenVINO" not in stock.infotexts[0]
+
+
+def test_section_named_arguments_and_a_short_list(webui: WebUI) -> None:
+    """The section's arguments as one object of named values; a short list takes the documented defaults
+    (here: Enable only, at the panel's defaults)."""
+    payload = request("a stone bridge over a river")
+    fast = webui.generate(with_section(fresh(payload), [{"enabled": True, "precision": "f32"}]))
+    status = webui.status()
+    assert_ran_in_openvino(status)
+    assert status["settings"] == "CPU, UNet+VAE+TE, f32", status
+    webui.generate(with_section(fresh(payload), [True]))
+    status = webui.status()
+    assert_ran_in_openvino(status)
+    assert status["settings"] == "CPU, UNet+VAE+TE, auto", status
+    stock = webui.generate(fresh(payload))
+    assert min_psnr(stock, fast) >= MIN_PSNR
+
+
+def test_section_wrong_argument_is_said_and_the_image_still_made_in_pytorch(webui: WebUI) -> None:
+    payload = request("a wooden boat on a lake")
+    wrong = webui.generate(with_section(fresh(payload), [True, "CPU", "yes"]))
+    status = webui.status()
+    assert not status["accelerated"], status
+    assert "'unet' must be true or false" in status["status"], status["status"]
+    assert "'unet' must be true or false" in webui.log_text()
+    assert "OpenVINO" not in wrong.infotexts[0]
+    stock = webui.generate(fresh(payload))
+    assert min_psnr(stock, wrong) == np.inf  # stock A1111's picture: nothing was routed
+
+
+def test_dropdown_entry_and_section_together_accelerate_once(webui: WebUI) -> None:
+    payload = with_section(request("a lantern in the snow"))
+    payload.update(script_name=SCRIPT_NAME, script_args=list(F32_ARGS))
+    fast = webui.generate(payload)
+    status = webui.status()
+    assert_ran_in_openvino(status)
+    assert "Script: Accelerate with OpenVINO" in fast.infotexts[0]
+    assert "OpenVINO section" not in fast.infotexts[0]
+    assert status["generations"] == 1 and "This job ran" not in status["status"], status["status"]
+    stock = webui.generate(fresh(request("a lantern in the snow")))
+    assert min_psnr(stock, fast) >= MIN_PSNR
+
+
+def test_prompts_from_file_with_its_own_steps_and_width(webui: WebUI) -> None:
+    lines = 'a red barn\n--prompt "a blue lake" --steps 4 --width 96\na green hill'
+    payload = request("", script_name="prompts from file or textbox", script_args=[False, False, "start", lines])
+    stock, fast = stock_and_section(webui, payload)
+    assert [im.shape[1] for im in fast.images] == [64, 96, 64]
+    assert_job_matches(webui, "section: Prompts from file (3 lines, one 96 wide)", stock, fast, generations=3)
+
+
+def test_xyz_plot_over_steps_and_cfg(webui: WebUI) -> None:
+    steps = script_arg_index(webui, "x/y/z plot", "X type", "Steps")
+    cfg = script_arg_index(webui, "x/y/z plot", "Y type", "CFG Scale")
+    payload = request("a red fox in the forest", script_name="x/y/z plot",
+                      script_args=xyz_args(steps, "2,3", cfg, "4,7"))
+    stock, fast = stock_and_section(webui, payload)
+    assert len(fast.images) == 1 + 4  # the grid and each cell
+    assert_job_matches(webui, "section: X/Y/Z plot steps x CFG", stock, fast, generations=4)
+    compiled = [run["compiles"] for run in fast.status["runs"]]
+    assert sum(compiled[1:]) == 0, fast.status["runs"]  # the first cell's compiled models serve every cell
+
+
+def test_xyz_plot_over_the_openvino_enabled_axis(webui: WebUI) -> None:
+    enabled = script_arg_index(webui, "x/y/z plot", "X type", "[OpenVINO] Enabled")
+    for axis in ("[OpenVINO] Precision", "[OpenVINO] Device"):
+        script_arg_index(webui, "x/y/z plot", "X type", axis)  # listed
+    payload = request("a teapot on a table", script_name="x/y/z plot",
+                      script_args=xyz_args(enabled, "", x_dropdown=["On", "Off"]))
+    stock = webui.generate(fresh(payload))
+    grid = webui.generate(fresh(payload))  # the section off: the axis alone turns it on in the On cells
+    status = webui.status()
+    assert_ran_in_openvino(status)
+    assert status["generations"] == 1 and status["plain_generations"] == 1, status["status"]
+    on, off = grid.images[1], grid.images[2]
+    assert psnr(off, stock.images[2]) == np.inf  # the Off cell is stock A1111
+    value = psnr(on, stock.images[1])
+    webui.record("section: X/Y/Z [OpenVINO] Enabled On cell", value)
+    assert value >= MIN_PSNR
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, auto"' in grid.infotexts[1], grid.infotexts[1]
+    assert "OpenVINO" not in grid.infotexts[2], grid.infotexts[2]
+
+
+def test_sd_upscale_tiles_share_one_compile(webui: WebUI) -> None:
+    upscalers = [u["name"] for u in webui.get("/sdapi/v1/upscalers")]
+    payload = request("a castle on a hill", init_images=[encode_image(init_image())], denoising_strength=0.4,
+                      script_name="sd upscale", script_args=["", 16, upscalers.index("Lanczos"), 2.0])
+    stock, fast = stock_and_section(webui, payload, "img2img")
+    assert fast.images[0].shape[:2] == (128, 128)
+    runs = fast.status["runs"]
+    assert len(runs) >= 2 and sum(run["compiles"] for run in runs[1:]) == 0, runs
+    assert "compiled nothing" in fast.status["status"], fast.status["status"]
+    assert_job_matches(webui, f"section: SD upscale ({len(runs)} tile batches)", stock, fast, generations=len(runs))
+
+
+def test_loopback_three_loops(webui: WebUI) -> None:
+    payload = request("a lighthouse in fog", init_images=[encode_image(init_image())], denoising_strength=0.5,
+                      script_name="loopback", script_args=[3, 0.5, "Linear", "None"])
+    stock, fast = stock_and_section(webui, payload, "img2img")
+    assert_job_matches(webui, "section: Loopback (3 loops)", stock, fast, generations=3)
+
+
+def test_prompt_matrix(webui: WebUI) -> None:
+    payload = request("a cabin|at night|in the rain", script_name="prompt matrix",
+                      script_args=[False, False, "positive", "comma", 0])
+    stock, fast = stock_and_section(webui, payload)
+    assert len(fast.images) == 1 + 4
+    assert_job_matches(webui, "section: Prompt matrix (4 prompts)", stock, fast, generations=1)
+
+
+@pytest.mark.parametrize("kind", ["txt2img", "img2img"])
+def test_section_turned_off_again_is_stock(webui: WebUI, kind: str) -> None:
+    extra: dict[str, Any] = {"init_images": [encode_image(init_image())]} if kind == "img2img" else {}
+    payload = request("a field of poppies", **extra)
+    webui.generate(with_section(fresh(payload)), kind)
+    off = webui.generate(with_section(fresh(payload), [False, *F32_ARGS]), kind)
+    stock = webui.generate(fresh(payload), kind)
+    assert min_psnr(stock, off) == np.inf
+    assert "OpenVINO" not in off.infotexts[0]
+
+
+def test_token_merging_runs_the_unet_in_pytorch_and_says_why(webui: WebUI) -> None:
+    """Settings -> Optimizations -> Token merging: A1111 patches the UNet's transformer blocks with tomesd for
+    the generation, into token scatters OpenVINO cannot convert. The UNet then runs in PyTorch (the picture is
+    stock's with Token merging), the VAE and text encoder in OpenVINO, and the status and infotext say so."""
+    payload = request("a hot air balloon over hills", width=128, height=128, steps=4)  # 256 tokens to merge
+    plain = webui.generate(fresh(payload))
+    with webui_option(webui, "token_merging_ratio", 0.75):
+        stock, fast = stock_and_section(webui, payload)
+    moved = min_psnr(plain, stock)
+    status = fast.status
+    assert_ran_in_openvino(status, ("VAE", "TE"))
+    assert status["calls"]["model.diffusion_model"] == 0, status["status"]
+    unet = status["pytorch"]["model.diffusion_model"]
+    assert unet["calls"] > 0 and "Token merging is on (ratio 0.75" in unet["why"], status["pytorch"]
+    assert "Ran in PyTorch, not OpenVINO: model.diffusion_model" in status["status"], status["status"]
+    assert "Attention in the UNet" not in status["status"]
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, f32; UNet in PyTorch"' in fast.infotexts[0], fast.infotexts[0]
+    value = min_psnr(stock, fast)
+    webui.record(f"section: Token merging 0.75 (moves stock by {moved:.1f} dB; UNet in PyTorch)", value, fast)
+    # the tiny model's picture moves little with Token merging (its attention matters little): the section's
+    # picture must be far closer to stock's with Token merging than stock's without it is
+    assert value >= max(MIN_PSNR, moved + 20), (value, moved)
+    after = webui.generate(with_section(fresh(payload)))  # the ratio back at 0: the UNet in OpenVINO again
+    assert_ran_in_openvino(webui.status())
+    assert min_psnr(after, plain) >= MIN_PSNR
+
+
+def test_negative_guidance_minimum_sigma(webui: WebUI) -> None:
+    """Settings -> Optimizations -> Negative Guidance minimum sigma: A1111 skips the negative half of CFG on
+    odd steps below that sigma, so the UNet's batch goes from 2 to 1 and back within the generation. It moves
+    stock's picture, and the section gives stock's picture with it, every UNet call through OpenVINO."""
+    payload = request("a hot air balloon over hills, at noon", steps=6, cfg_scale=25)
+    plain = webui.generate(fresh(payload))
+    with webui_option(webui, "s_min_uncond", 100.0):
+        stock, fast = stock_and_section(webui, payload)
+    moved = min_psnr(plain, stock)
+    assert moved < MIN_PSNR, f"the option does not move stock's picture ({moved:.1f} dB): the test shows nothing"
+    assert fast.status["calls"]["model.diffusion_model"] > 0, (fast.status["status"], fast.status["pytorch"])
+    assert_job_matches(webui, f"section: Negative Guidance minimum sigma (moves stock by {moved:.1f} dB)", stock,
+                       fast, generations=1)
