@@ -181,3 +181,48 @@ def test_paste_restores_the_section_as_the_image_was_made(
     expand_pasted(params, [("CPU", "CPU")], section_default=default)
     assert params[SECTION_PASTE_KEY] is enabled
     assert params.get("Script") == script
+
+
+def test_xyz_axes_are_added_once_and_write_a_new_dict_per_cell(fake_host: Any, extension: Any) -> None:
+    from types import ModuleType, SimpleNamespace
+
+    from modules import scripts
+
+    from ov_accelerate_webui.xyz_axes import register_axes
+
+    xyz = ModuleType("xyz_grid.py")
+
+    class AxisOption:
+        def __init__(self, label: str, type: Any, apply: Any, choices: Any = None, confirm: Any = None) -> None:
+            self.label, self.type, self.apply, self.choices, self.confirm = label, type, apply, choices, confirm
+
+    xyz.AxisOption, xyz.axis_options = AxisOption, [AxisOption("Nothing", str, None)]
+    scripts.scripts_data.append(SimpleNamespace(path="/webui/scripts/xyz_grid.py", module=xyz))
+    try:
+        assert register_axes(extension) == 3 and register_axes(extension) == 0  # a UI reload adds none again
+    finally:
+        scripts.scripts_data.pop()
+    axes = {option.label: option for option in xyz.axis_options}
+    assert axes["[OpenVINO] Enabled"].choices() == ["On", "Off"]
+    assert axes["[OpenVINO] Precision"].choices() == ["auto", "f32", "int8"]
+    assert "CPU" in axes["[OpenVINO] Device"].choices()
+    with pytest.raises(RuntimeError, match=r"unknown value\(s\) \['bf16'\]; choose from"):
+        axes["[OpenVINO] Precision"].confirm(None, ["f32", "bf16"])
+    p = SimpleNamespace()
+    axes["[OpenVINO] Precision"].apply(p, "f32", [])
+    first = getattr(p, OVERRIDE_ATTR)
+    cell = SimpleNamespace(**vars(p))  # X/Y/Z's shallow copy of p for the next cell
+    axes["[OpenVINO] Enabled"].apply(cell, "Off", [])
+    assert first == {"precision": "f32"}  # the first cell's values are not changed by the next cell
+    assert getattr(cell, OVERRIDE_ATTR) == {"precision": "f32", "enabled": False}
+
+
+def test_taesd_is_named_when_the_vae_was_not_called() -> None:
+    from ov_accelerate_webui.generation import _uncalled_vae
+
+    calls = {"model.diffusion_model": 3, "first_stage_model.decoder": 0, "first_stage_model.encoder": 0}
+    notes = _uncalled_vae(calls, ("TAESD", "Full"))
+    assert len(notes) == 1 and "VAE decoder was not called" in notes[0] and "TAESD" in notes[0]
+    assert _uncalled_vae(calls, ("Full", "Full")) == []
+    assert _uncalled_vae({**calls, "first_stage_model.decoder": 1}, ("TAESD", "TAESD"))[0].startswith(
+        "The VAE encoder")
