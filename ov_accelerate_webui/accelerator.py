@@ -32,7 +32,7 @@ from .compiled_route import VARYING_DIMS, CompiledRoute, compile_route, make_for
 from .finite_guard import F32Switch
 from .lora import LoraChange, LoraHook
 from .model_parts import PYTORCH_CHECKS, Target, checkpoint_key, find_targets
-from .routing import Route
+from .routing import Route, mark_ours
 from .settings import PRECISION_F32, PRECISION_NAMES, AccelerateSettings
 
 if TYPE_CHECKING:
@@ -293,7 +293,7 @@ class Accelerator:
         f32_build = None if f32_options is None else (lambda: self._f32_build(entry, f32_options))
         forward = make_forward(entry, self._lock, self._notify, f32_build, PYTORCH_CHECKS.get(entry.part),
                                lambda route, why: self.on_pytorch(route, why) if self.on_pytorch else None)
-        return self._lora.wrap(forward, entry)
+        return mark_ours(self._lora.wrap(forward, entry))
 
     def lora_changes(self) -> list[LoraChange]:
         """The routes whose LoRA changed since the last call (then cleared)."""

@@ -384,6 +384,7 @@ class Extension:
         if generation.attention is not None:
             generation.attention.ensure()  # a model load inside the generation applied the WebUI's attention again
         generation.session.follow(host.loaded_model())
+        generation.session.observe()
 
     def unload(self) -> None:
         """Release everything (script reload or WebUI shutdown)."""

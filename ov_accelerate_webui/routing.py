@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,31 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
+#: The attribute that marks a callable as one of this extension's routed methods.
+OURS = "_openvino_accelerate_route"
+
+
+def mark_ours(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``function`` as a routed method of this extension (see :func:`foreign`); returns it."""
+    setattr(function, OURS, True)
+    return function
+
+
+def foreign(module: nn.Module, method: str = "forward") -> Any | None:
+    """The instance-level ``method`` another extension set on ``module`` (None: none, or ours)."""
+    value = module.__dict__.get(method)
+    return None if value is None or getattr(value, OURS, False) else value
+
+
+def describe(function: Any) -> str:
+    """Who ``function`` belongs to, as far as can be told: its name and the WebUI extension whose folder its
+    code is in (else the file), e.g. "Hook.forward (extension sd-webui-controlnet)"."""
+    target = getattr(function, "__func__", function)
+    code = getattr(target, "__code__", None)
+    where = code.co_filename if code is not None else ""
+    name = getattr(target, "__qualname__", None) or type(function).__name__
+    extension = re.search(r"[\\/]extensions(?:-builtin)?[\\/]([^\\/]+)[\\/]", where)
+    return f"{name} ({'extension ' + extension.group(1) if extension else where or 'origin unknown'})"
 
 
 @dataclass(frozen=True)

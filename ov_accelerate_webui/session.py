@@ -23,7 +23,8 @@ from typing import Any
 from .accelerator import Accelerator, PreparedRun
 from .finite_guard import F32Switch
 from .model_parts import UnsupportedModel, checkpoint_key
-from .routing import Route, routed
+from .routing import describe, foreign, routed
+from .settings import PART_LABELS
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,13 @@ class RoutingSession:
         self._routed: set[tuple[int, str]] = set()
         self._models: list[tuple[weakref.ReferenceType, str]] = []
         self._first_model = model
+        #: route key -> what replaced its method: [why, calls of our route when first seen, steps seen, said]
+        self._foreign: dict[tuple[int, str], list[Any]] = {}
 
     def __enter__(self) -> RoutingSession:
         self._stack.__enter__()
         try:
-            self._route(self.first.routes)
+            self._route(self.first)
             self._models.append((weakref.ref(self._first_model), checkpoint_key(self._first_model)))
         except BaseException:
             self._stack.close()
@@ -80,10 +83,47 @@ class RoutingSession:
             finally:
                 self.accelerator.keep_only(self.runs)
 
-    def _route(self, routes: tuple[Route, ...]) -> None:
-        new = tuple(r for r in routes if (id(r.module), r.method) not in self._routed)
-        self._stack.enter_context(routed(new))
-        self._routed.update((id(r.module), r.method) for r in new)
+    def _route(self, run: PreparedRun) -> None:
+        new = [(r, e) for r, e in zip(run.routes, run.entries) if (id(r.module), r.method) not in self._routed]
+        taken = []
+        for route, entry in new:
+            other = foreign(route.module, route.method)
+            if other is None:
+                taken.append(route)
+                continue
+            # another extension replaced the method before us (its process() ran first): routing over it would
+            # drop its work from the picture, so the part runs its way, in PyTorch, and the status says so
+            why = f"another extension replaced its {route.method} before this generation: {describe(other)}"
+            self._foreign[(id(route.module), route.method)] = [why, entry.calls, 0, True]
+            logger.warning("Accelerate with OpenVINO: %s (%s) runs in PyTorch: %s", PART_LABELS[entry.part],
+                           entry.label, why)
+            self._on_unsupported(PART_LABELS[entry.part], why)
+        self._stack.enter_context(routed(tuple(taken)))
+        self._routed.update((id(r.module), r.method) for r, _e in new)
+
+    def observe(self) -> None:
+        """Before each sampling step: notice a routed method another extension replaced while the generation
+        runs (e.g. ControlNet's hook, installed in its ``process``), and, from the next step on, whether the
+        replacement calls the accelerated method (then the part still runs in OpenVINO) or not (then it runs
+        in PyTorch: said at once, so the infotext's note is written before the images are)."""
+        with self._lock:
+            for run in self.runs:
+                for route, entry in zip(run.routes, run.entries):
+                    key = (id(route.module), route.method)
+                    seen = self._foreign.get(key)
+                    if seen is None:
+                        other = foreign(route.module, route.method)
+                        if other is not None:
+                            why = (f"its {route.method} was replaced during the generation by {describe(other)}, "
+                                   "which does not call the accelerated one")
+                            self._foreign[key] = [why, entry.calls, 1, False]
+                        continue
+                    seen[2] += 1
+                    if not seen[3] and entry.calls == seen[1]:
+                        seen[3] = True
+                        logger.warning("Accelerate with OpenVINO: %s (%s) ran in PyTorch: %s",
+                                       PART_LABELS[entry.part], entry.label, seen[0])
+                        self._on_unsupported(PART_LABELS[entry.part], seen[0])
 
     def follow(self, model: Any) -> None:
         """Route ``model`` if it is a model (or holds module objects) this session has not routed yet."""
@@ -111,7 +151,7 @@ class RoutingSession:
             self._on_unsupported(name, str(exc))
             return
         fresh = [r for r in run.routes if (id(r.module), r.method) not in self._routed]
-        self._route(run.routes)
+        self._route(run)
         if note_new:
             self.events.append(f"{name}: switched to a new model object, routed")
         elif fresh:
@@ -171,17 +211,21 @@ class RoutingSession:
         return result
 
     def pytorch(self) -> dict[str, tuple[int, str]]:
-        """Route label (named as in :meth:`calls`) -> (calls run on the module's own method in PyTorch, why);
-        only routes that had such calls."""
+        """Route label (named as in :meth:`calls`) -> (calls run in PyTorch, why); only routes that had such
+        calls: on the module's own method (Token merging), or through another extension's replacement of the
+        routed method that never called the accelerated one (counted in sampling steps)."""
         result: dict[str, tuple[int, str]] = {}
         seen: set[int] = set()
         with self._lock:
             for run, name in zip(self.runs, self.run_names):
-                for entry, before in zip(run.entries, run.pytorch_before):
+                for route, entry, before in zip(run.routes, run.entries, run.pytorch_before):
                     if id(entry) in seen:
                         continue
                     seen.add(id(entry))
+                    key = f"{name}: {entry.label}" if name else entry.label
                     if entry.pytorch_calls > before:
-                        key = f"{name}: {entry.label}" if name else entry.label
                         result[key] = (entry.pytorch_calls - before, entry.pytorch_reason)
+                    replaced = self._foreign.get((id(route.module), route.method))
+                    if replaced is not None and entry.calls == replaced[1]:
+                        result[key] = (replaced[2], replaced[0] + " (calls counted in sampling steps)")
         return result

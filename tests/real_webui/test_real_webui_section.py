@@ -130,6 +130,10 @@ def test_section_named_arguments_and_a_short_list(webui: WebUI) -> None:
     status = webui.status()
     assert_ran_in_openvino(status)
     assert status["settings"] == "CPU, UNet+VAE+TE, auto", status
+    webui.generate(with_section(fresh(payload), [*SECTION_F32, "one too many"]))  # A1111 cuts the list to 8
+    status = webui.status()
+    assert_ran_in_openvino(status)
+    assert status["settings"] == "CPU, UNet+VAE+TE, f32", status
     stock = webui.generate(fresh(payload))
     assert min_psnr(stock, fast) >= MIN_PSNR
 

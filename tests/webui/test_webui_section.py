@@ -226,3 +226,56 @@ def test_taesd_is_named_when_the_vae_was_not_called() -> None:
     assert _uncalled_vae(calls, ("Full", "Full")) == []
     assert _uncalled_vae({**calls, "first_stage_model.decoder": 1}, ("TAESD", "TAESD"))[0].startswith(
         "The VAE encoder")
+
+
+def controlnet_like_script(fake_host: Any) -> type:
+    """An always-on script that replaces the UNet's forward in ``process`` with the class's own forward (as
+    sd-webui-controlnet's hook does) and puts the previous one back in ``postprocess``."""
+    from modules import scripts
+
+    class ReplacesUNet(scripts.Script):
+        def title(self) -> str:
+            return "replaces unet"
+
+        def show(self, is_img2img: bool) -> Any:
+            return scripts.AlwaysVisible
+
+        def process(self, p: Any, *args: Any) -> None:
+            unet = p.sd_model.model.diffusion_model
+            self.saved = unet.__dict__.get("forward")
+            unet.forward = lambda *a, **k: type(unet).forward(unet, *a, **k)
+
+        def postprocess(self, p: Any, processed: Any, *args: Any) -> None:
+            unet = p.sd_model.model.diffusion_model
+            if self.saved is None:
+                unet.__dict__.pop("forward", None)
+            else:
+                unet.forward = self.saved
+
+    return ReplacesUNet
+
+
+@pytest.mark.parametrize("how", ["dropdown", "section"])
+def test_a_foreign_unet_forward_is_reported_and_left_to_run(fake_host: Any, extension: Any, f32: Any,
+                                                            how: str) -> None:
+    import gradio as gr
+    from modules import scripts
+
+    runner = scripts.ScriptRunner(is_img2img=False)
+    other = runner.add(controlnet_like_script(fake_host))  # first: its process() runs before the section's
+    section = runner.add(make_section_class(extension))
+    with gr.Blocks(analytics_enabled=False):
+        runner.create_script_ui(other)
+        runner.create_script_ui(section)
+    baseline = fake_host.processing.process_images(make_p(fake_host, steps=3))
+    p = with_section(fake_host, runner, section, section_args(f32, enabled=how == "section"), steps=3)
+    processed = extension.run(p, f32) if how == "dropdown" else fake_host.processing.process_images(p)
+    report = extension.last_run_report()
+    assert report["calls"]["model.diffusion_model"] == 0, report["status"]
+    why = report["pytorch"]["model.diffusion_model"]["why"]
+    assert ("during the generation" if how == "dropdown" else "before this generation") in why, why
+    assert "ReplacesUNet.process.<locals>.<lambda>" in why, why
+    assert "Ran in PyTorch, not OpenVINO: model.diffusion_model" in report["status"]
+    assert "UNet in PyTorch" in processed.infotexts[0], processed.infotexts[0]
+    assert max_pixel_diff(processed, baseline) <= IMAGE_TOLERANCE
+    assert not routed_modules(fake_host.model)["unet"]

@@ -6,7 +6,9 @@ perturbed by a small relative error, the picture must move beyond the tier's PSN
 ``alwayson_scripts``: ``{"ovtest perturb": {"args": [part, relative_std]}}``): part is "", "unet",
 "vae" or "te"; relative_std is the noise's standard deviation relative to the output's. Part "attention"
 perturbs nothing: it writes the name of the UNet's attention forward in use while the generation runs into
-the infotext ("ovtest attention").
+the infotext ("ovtest attention"). Part "replace-unet" perturbs nothing either: it replaces the UNet's
+forward for the generation with one that runs the class's own forward, never the instance's (as
+sd-webui-controlnet's hook does), so whatever was routed there is not called.
 """
 
 import gradio as gr
@@ -40,6 +42,15 @@ class OvtestPerturb(scripts.Script):
             from ldm.modules.attention import CrossAttention
 
             p.extra_generation_params["ovtest attention"] = CrossAttention.forward.__name__
+            return
+        if part == "replace-unet":
+            unet = p.sd_model.model.diffusion_model
+
+            def controlnet_like_forward(*a, **k):
+                return type(unet).forward(unet, *a, **k)
+
+            self._saved = (unet, "forward", unet.__dict__.get("forward"))
+            unet.forward = controlnet_like_forward
             return
         if not part or not relative_std:
             return
