@@ -29,6 +29,11 @@ from .settings import PART_LABELS
 logger = logging.getLogger(__name__)
 
 
+#: Why a UNet route in place ran no sampling step.
+BYPASSED = ("sampling steps ran but none called the routed forward, and nothing replaced it: something (another "
+            "extension) called the model's own forward directly")
+
+
 def model_name(model: Any) -> str:
     """The checkpoint's short name (A1111 ``name_for_extra``), e.g. "sd_xl_refiner_1.0"."""
     info = getattr(model, "sd_checkpoint_info", None)
@@ -65,6 +70,9 @@ class RoutingSession:
         self._first_model = model
         #: route key -> what replaced its method: [why, calls of our route when first seen, steps seen, said]
         self._foreign: dict[tuple[int, str], list[Any]] = {}
+        #: UNet route key -> [calls of our route at the first step seen, steps seen, said]: sampling steps that
+        #: never call the routed forward, with nothing replacing it (something calls the class's own forward)
+        self._bypassed: dict[tuple[int, str], list[Any]] = {}
 
     def __enter__(self) -> RoutingSession:
         self._stack.__enter__()
@@ -117,6 +125,8 @@ class RoutingSession:
                             why = (f"its {route.method} was replaced during the generation by {describe(other)}, "
                                    "which does not call the accelerated one")
                             self._foreign[key] = [why, entry.calls, 1, False]
+                        elif entry.part == "unet":
+                            self._check_called(key, entry)
                         continue
                     seen[2] += 1
                     if not seen[3] and entry.calls == seen[1]:
@@ -160,6 +170,15 @@ class RoutingSession:
             self.runs.append(run)
             self.run_names.append(name)
         logger.info("Accelerate with OpenVINO: following the switch to %s (%s)", name, ckpt)
+
+    def _check_called(self, key: tuple[int, str], entry: Any) -> None:
+        """A UNet route still in place that no sampling step calls: something runs the class's own forward."""
+        seen = self._bypassed.setdefault(key, [entry.calls, 0, False])
+        seen[1] += 1
+        if seen[1] >= 2 and not seen[2] and entry.calls == seen[0]:
+            seen[2] = True
+            logger.warning("Accelerate with OpenVINO: UNet (%s) ran in PyTorch: %s", entry.label, BYPASSED)
+            self._on_unsupported(PART_LABELS[entry.part], BYPASSED)
 
     def checkpoints(self) -> list[str]:
         """Checkpoint keys of every model this session routed."""
@@ -228,4 +247,7 @@ class RoutingSession:
                     replaced = self._foreign.get((id(route.module), route.method))
                     if replaced is not None and entry.calls == replaced[1]:
                         result[key] = (replaced[2], replaced[0] + " (calls counted in sampling steps)")
+                    bypassed = self._bypassed.get((id(route.module), route.method))
+                    if bypassed is not None and bypassed[2] and entry.calls == bypassed[0]:
+                        result[key] = (bypassed[1], BYPASSED + " (calls counted in sampling steps)")
         return result

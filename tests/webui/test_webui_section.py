@@ -279,3 +279,39 @@ def test_a_foreign_unet_forward_is_reported_and_left_to_run(fake_host: Any, exte
     assert "UNet in PyTorch" in processed.infotexts[0], processed.infotexts[0]
     assert max_pixel_diff(processed, baseline) <= IMAGE_TOLERANCE
     assert not routed_modules(fake_host.model)["unet"]
+
+
+def test_a_unet_called_around_its_route_is_reported(fake_host: Any, extension: Any, f32: Any) -> None:
+    """An extension that calls the UNet class's own forward from higher up (here: the model wrapper's
+    forward), leaving the routed forward in place and never calling it."""
+    import torch
+    from modules import scripts
+
+    class CallsTheOriginal(scripts.Script):
+        def title(self) -> str:
+            return "calls the original"
+
+        def show(self, is_img2img: bool) -> Any:
+            return scripts.AlwaysVisible
+
+        def process(self, p: Any, *args: Any) -> None:
+            wrapper = p.sd_model.model
+            unet = wrapper.diffusion_model
+
+            def forward(x: Any, t: Any, c_concat: Any = None, c_crossattn: Any = None) -> Any:
+                return type(unet).forward(unet, x, t, context=torch.cat(c_crossattn, 1))
+
+            wrapper.forward = forward
+
+        def postprocess(self, p: Any, processed: Any, *args: Any) -> None:
+            p.sd_model.model.__dict__.pop("forward", None)
+
+    runner = scripts.ScriptRunner(is_img2img=False)
+    runner.add(CallsTheOriginal)
+    p = make_p(fake_host, steps=3)
+    p.scripts, p.script_args = runner, []
+    processed = extension.run(p, f32)
+    report = extension.last_run_report()
+    assert report["calls"]["model.diffusion_model"] == 0
+    assert "none called the routed forward" in report["pytorch"]["model.diffusion_model"]["why"]
+    assert "UNet in PyTorch" in processed.infotexts[0]
