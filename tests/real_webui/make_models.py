@@ -7,7 +7,9 @@ checkpoint (A1111 reads a config found there instead of guessing one from the we
 
 Usage: ``python make_models.py <webui folder> <data dir> <HF snapshot of CLIP-L's tokenizer>``.
 Writes into ``<data dir>/models``: ``Stable-diffusion/ovtest-tiny-{a,b}.{safetensors,yaml}``,
-``Lora/ovtest-lora.safetensors`` and the tiny CLIP text model's folder ``ovtest-clip/``.
+``Lora/ovtest-lora.safetensors``, the tiny CLIP text model's folder ``ovtest-clip/`` and a random TAESD
+decoder, ``VAE-taesd/taesd_decoder.pth`` (the WebUI would download the trained one on first use of
+Settings -> VAE -> TAESD; offline it must be there).
 
 Random weights are made non-degenerate the way a trained model is: LDM zero-initialises every
 ResBlock's last conv and every transformer's output projection (the UNet would return 0 whatever the
@@ -151,8 +153,36 @@ def write_lora(model) -> None:
     print(f"LoRA: {len(names)} layers")  # noqa: T201
 
 
+def write_taesd_decoder() -> None:
+    """A TAESD decoder of random weights, in the layout the WebUI's ``sd_vae_taesd.decoder()`` loads: a
+    ``Sequential`` of 3x3 convs and residual blocks (three convs each) with three 2x upsamplings; only the
+    modules with weights are built, at their indices. Its last conv is scaled so that the picture is not
+    flat (at PyTorch's default init the output's spread is about 0.01 around 0, a black image)."""
+
+    def block() -> torch.nn.Module:
+        body = torch.nn.Sequential(*(torch.nn.Conv2d(64, 64, 3, padding=1) if i % 2 == 0 else torch.nn.ReLU()
+                                     for i in range(5)))
+        return torch.nn.ModuleDict({"conv": body})
+
+    torch.manual_seed(5)
+    layers: dict[str, torch.nn.Module] = {"1": torch.nn.Conv2d(4, 64, 3, padding=1)}
+    for start in (3, 8, 13):
+        layers.update({str(start + i): block() for i in range(3)})
+        layers[str(start + 4)] = torch.nn.Conv2d(64, 64, 3, padding=1, bias=False)
+    layers["18"], layers["19"] = block(), torch.nn.Conv2d(64, 3, 3, padding=1)
+    with torch.no_grad():
+        layers["19"].weight.mul_(25.0)
+        layers["19"].bias.fill_(0.5)
+    state = {f"{index}.{key}": value for index, layer in layers.items() for key, value in layer.state_dict().items()}
+    folder = os.path.join(MODELS, "VAE-taesd")
+    os.makedirs(folder, exist_ok=True)
+    # the legacy format: the WebUI's safe unpickler refuses the newer zip entries (.format_version, ...)
+    torch.save(state, os.path.join(folder, "taesd_decoder.pth"), _use_new_zipfile_serialization=False)
+
+
 def main() -> None:
     write_clip_folder()
+    write_taesd_decoder()
     config = ldm_config()
     folder = os.path.join(MODELS, "Stable-diffusion")
     os.makedirs(folder, exist_ok=True)

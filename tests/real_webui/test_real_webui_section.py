@@ -298,3 +298,23 @@ def test_pad_prompt_and_the_lcm_sampler(webui: WebUI) -> None:
                        generations=1)
     stock, fast = stock_and_section(webui, request("a castle on a hill", sampler_name="LCM", cfg_scale=1.5))
     assert_job_matches(webui, "section: LCM sampler", stock, fast, generations=1)
+
+
+def test_taesd_decode_is_named_and_the_rest_accelerated(webui: WebUI) -> None:
+    """Settings -> VAE -> "VAE type for decode": TAESD, a small separate decoder the WebUI runs in PyTorch (the
+    tier's is random, written by make_models.py). The UNet and text encoder run in OpenVINO, the VAE decoder
+    is not called, and the status says why."""
+    payload = request("a red kite over a beach")
+    plain = webui.generate(fresh(payload))
+    with webui_option(webui, "sd_vae_decode_method", "TAESD"):
+        stock, fast = stock_and_section(webui, payload)
+    assert np.std(stock.images[0]) > 5  # a picture, not a flat field
+    moved = min_psnr(plain, stock)
+    assert moved < MIN_PSNR, f"TAESD does not move stock's picture ({moved:.1f} dB): the test shows nothing"
+    status = fast.status
+    assert_ran_in_openvino(status, ("UNet", "TE"))
+    assert status["calls"]["first_stage_model.decoder"] == 0, status["calls"]
+    assert "The VAE decoder was not called: Settings -> VAE -> 'VAE type for decode' is TAESD" in status["status"]
+    value = min_psnr(stock, fast)
+    webui.record(f"section: TAESD decode (moves stock by {moved:.1f} dB; VAE decoder not called)", value, fast)
+    assert value >= MIN_PSNR
