@@ -205,8 +205,7 @@ class Extension:
         """The request with ``p`` of id ``owner`` ended: restore anything still routed, forget the job."""
         self.finish_stale()
         with self._lock:
-            if self._job is not None and self._job.owner == owner:
-                self._job = None
+            self._job = None if self._job is not None and self._job.owner == owner else self._job
 
     def section_process(self, p: Any, settings: AccelerateSettings | None, why_plain: str, error: bool = False) -> None:
         """The section's ``process`` hook: start routing ``p``'s generation with ``settings`` (None: the
@@ -383,8 +382,9 @@ class Extension:
             return
         if generation.attention is not None:
             generation.attention.ensure()  # a model load inside the generation applied the WebUI's attention again
-        generation.session.follow(host.loaded_model())
-        generation.session.observe()
+        loaded = host.loaded_model()
+        generation.session.follow(loaded)
+        generation.session.observe(loaded)
 
     def unload(self) -> None:
         """Release everything (script reload or WebUI shutdown)."""

@@ -60,6 +60,8 @@ class RoutingSession:
         self.accelerator = accelerator
         self.first = first
         self.runs: list[PreparedRun] = [first]
+        self._run_models: list[weakref.ReferenceType] = [weakref.ref(model)]
+        """The model object of each run (the UNet of the model loaded now is the one sampling calls)."""
         self.run_names: list[str] = [""]
         self.events: list[str] = []
         self._on_unsupported = on_unsupported
@@ -109,13 +111,14 @@ class RoutingSession:
         self._stack.enter_context(routed(tuple(taken)))
         self._routed.update((id(r.module), r.method) for r, _e in new)
 
-    def observe(self) -> None:
+    def observe(self, current: Any = None) -> None:
         """Before each sampling step: notice a routed method another extension replaced while the generation
         runs (e.g. ControlNet's hook, installed in its ``process``), and, from the next step on, whether the
         replacement calls the accelerated method (then the part still runs in OpenVINO) or not (then it runs
         in PyTorch: said at once, so the infotext's note is written before the images are)."""
         with self._lock:
-            for run in self.runs:
+            for run, model_ref in zip(self.runs, self._run_models):
+                loaded = current is None or model_ref() is current  # (a switched-from model's UNet is idle)
                 for route, entry in zip(run.routes, run.entries):
                     key = (id(route.module), route.method)
                     seen = self._foreign.get(key)
@@ -125,7 +128,7 @@ class RoutingSession:
                             why = (f"its {route.method} was replaced during the generation by {describe(other)}, "
                                    "which does not call the accelerated one")
                             self._foreign[key] = [why, entry.calls, 1, False]
-                        elif entry.part == "unet":
+                        elif entry.part == "unet" and loaded:
                             self._check_called(key, entry)
                         continue
                     seen[2] += 1
@@ -169,6 +172,7 @@ class RoutingSession:
         if fresh or note_new:
             self.runs.append(run)
             self.run_names.append(name)
+            self._run_models.append(weakref.ref(model))
         logger.info("Accelerate with OpenVINO: following the switch to %s (%s)", name, ckpt)
 
     def _check_called(self, key: tuple[int, str], entry: Any) -> None:

@@ -87,6 +87,8 @@ def test_refiner_on_a_new_model_object_is_routed_and_both_models_restored(
     assert "tiny-refiner: switched to a new model object, routed" in status
     assert "tiny-refiner: model.diffusion_model (2 calls)" in status, status
     assert "tiny-refiner: first_stage_model.decoder (1 call)" in status, "the refiner's VAE decodes the image"
+    # the base's UNet is idle after the switch: not mistaken for a UNet something else runs around its route
+    assert not extension.last_run_report()["pytorch"] and "Ran in PyTorch" not in status, status
 
 
 def test_refiner_loaded_into_the_same_model_object_never_runs_stale_weights(
