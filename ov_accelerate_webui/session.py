@@ -29,6 +29,11 @@ from .settings import PART_LABELS
 logger = logging.getLogger(__name__)
 
 
+def _reached(entry: Any) -> int:
+    """Calls that reached the routed method: through OpenVINO, or in PyTorch by its own choice (Token merging)."""
+    return entry.calls + entry.pytorch_calls
+
+
 #: Why a UNet route in place ran no sampling step.
 BYPASSED = ("sampling steps ran but none called the routed forward, and nothing replaced it: something (another "
             "extension) called the model's own forward directly")
@@ -104,7 +109,7 @@ class RoutingSession:
             # another extension replaced the method before us (its process() ran first): routing over it would
             # drop its work from the picture, so the part runs its way, in PyTorch, and the status says so
             why = f"another extension replaced its {route.method} before this generation: {describe(other)}"
-            self._foreign[(id(route.module), route.method)] = [why, entry.calls, 0, True]
+            self._foreign[(id(route.module), route.method)] = [why, _reached(entry), 0, True]
             logger.warning("Accelerate with OpenVINO: %s (%s) runs in PyTorch: %s", PART_LABELS[entry.part],
                            entry.label, why)
             self._on_unsupported(PART_LABELS[entry.part], why)
@@ -127,12 +132,12 @@ class RoutingSession:
                         if other is not None:
                             why = (f"its {route.method} was replaced during the generation by {describe(other)}, "
                                    "which does not call the accelerated one")
-                            self._foreign[key] = [why, entry.calls, 1, False]
+                            self._foreign[key] = [why, _reached(entry), 1, False]
                         elif entry.part == "unet" and loaded:
                             self._check_called(key, entry)
                         continue
                     seen[2] += 1
-                    if not seen[3] and entry.calls == seen[1]:
+                    if not seen[3] and _reached(entry) == seen[1]:
                         seen[3] = True
                         logger.warning("Accelerate with OpenVINO: %s (%s) ran in PyTorch: %s",
                                        PART_LABELS[entry.part], entry.label, seen[0])
@@ -177,9 +182,9 @@ class RoutingSession:
 
     def _check_called(self, key: tuple[int, str], entry: Any) -> None:
         """A UNet route still in place that no sampling step calls: something runs the class's own forward."""
-        seen = self._bypassed.setdefault(key, [entry.calls, 0, False])
+        seen = self._bypassed.setdefault(key, [_reached(entry), 0, False])
         seen[1] += 1
-        if seen[1] >= 2 and not seen[2] and entry.calls == seen[0]:
+        if seen[1] >= 2 and not seen[2] and _reached(entry) == seen[0]:
             seen[2] = True
             logger.warning("Accelerate with OpenVINO: UNet (%s) ran in PyTorch: %s", entry.label, BYPASSED)
             self._on_unsupported(PART_LABELS[entry.part], BYPASSED)
@@ -249,9 +254,9 @@ class RoutingSession:
                     if entry.pytorch_calls > before:
                         result[key] = (entry.pytorch_calls - before, entry.pytorch_reason)
                     replaced = self._foreign.get((id(route.module), route.method))
-                    if replaced is not None and entry.calls == replaced[1]:
+                    if replaced is not None and _reached(entry) == replaced[1]:
                         result[key] = (replaced[2], replaced[0] + " (calls counted in sampling steps)")
                     bypassed = self._bypassed.get((id(route.module), route.method))
-                    if bypassed is not None and bypassed[2] and entry.calls == bypassed[0]:
+                    if bypassed is not None and bypassed[2] and _reached(entry) == bypassed[0]:
                         result[key] = (bypassed[1], BYPASSED + " (calls counted in sampling steps)")
         return result
