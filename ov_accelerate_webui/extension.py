@@ -16,7 +16,7 @@ from typing import Any
 from . import cache_owners, host
 from .accelerator import WINDOW_CONTINUE, WINDOW_NEW, WINDOW_OFF, Accelerator
 from .backend_bridge import BackendApi, BackendUnavailable, backend_module, load_backend
-from .generation import Generation, Job, NotAccelerated, RunRecord, run_report
+from .generation import Generation, Job, NotAccelerated, RunRecord, append_comment, comment_on, run_report
 from .infotext import WRITTEN_KEYS, generation_params
 from .model_parts import UnsupportedModel, checkpoint_key, checkpoint_label
 from .precompile import ReadySizes, Size, parse_sizes
@@ -72,6 +72,13 @@ class Extension:
         """Names of the devices OpenVINO sees."""
         return [name for name, _full in self.api().list_devices()]
 
+    def known_devices(self) -> list[str] | None:
+        """:meth:`device_names`, or None without the backend (a device then goes unchecked)."""
+        try:
+            return self.device_names()
+        except BackendUnavailable:
+            return None
+
     # --- generation ----------------------------------------------------------------------------
     def run(self, p: Any, settings: AccelerateSettings, new_window: bool = True, calibrate: bool = True) -> Any:
         """Run A1111's pipeline on ``p`` with the chosen parts in OpenVINO; returns the ``Processed``.
@@ -95,8 +102,7 @@ class Extension:
             raise
         record = self._finish_generation(p, generation, calibrate)
         self._set_last_run(run_report(record))
-        if processed is not None:
-            processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + record.status).strip()
+        append_comment(processed, record.status)
         return processed
 
     def start_generation(self, p: Any, settings: AccelerateSettings, window: str, section: bool = False) -> Generation:
@@ -126,9 +132,7 @@ class Extension:
         def unsupported(name: str, reason: str) -> None:
             notes.append(f"{name} in PyTorch")
             p.extra_generation_params.update(generation_params(settings, notes, section=section))
-            comment = getattr(p, "comment", None)
-            if comment is not None:
-                comment(f"Accelerate with OpenVINO: {name} ran in plain PyTorch: {reason}")
+            comment_on(p, f"Accelerate with OpenVINO: {name} ran in plain PyTorch: {reason}")
 
         generation = Generation(accelerator, prepared, model, settings, unsupported)
         generation.owner, generation.section = id(p), section
@@ -139,20 +143,21 @@ class Extension:
             self._generation = generation
         return generation
 
-    def _end_generation(self, generation: Generation, exc: BaseException | None = None) -> str:
-        """Restore the model of a generation that did not finish; returns the status saying so."""
+    def _forget(self, generation: Generation) -> None:
         with self._lock:
             if self._generation is generation:
                 self._generation = None
+
+    def _end_generation(self, generation: Generation, exc: BaseException | None = None) -> str:
+        """Restore the model of a generation that did not finish; returns the status saying so."""
+        self._forget(generation)
         status = generation.abort(exc)
         if status:
             logger.warning("Accelerate with OpenVINO: %s", status)
         return status
 
     def _finish_generation(self, p: Any, generation: Generation, calibrate: bool) -> RunRecord:
-        with self._lock:
-            if self._generation is generation:
-                self._generation = None
+        self._forget(generation)
         vae_methods = (str(host.option("sd_vae_decode_method", "")), str(host.option("sd_vae_encode_method", "")))
         record = generation.finish(calibrate and not host.state().interrupted, vae_methods)
         if generation.cached_before is not None:
@@ -174,10 +179,8 @@ class Extension:
         status = self._end_generation(generation)
         if job is not None and generation.section:
             job.stopped = status
-            report = job.report()
-            self._set_last_run(report if report is not None else {"accelerated": False, "status": status})
-        else:
-            self._set_last_run({"accelerated": False, "status": status})
+        report = job.report() if job is not None and generation.section else None
+        self._set_last_run(report if report is not None else {"accelerated": False, "status": status})
 
     # --- the always-on section -------------------------------------------------------------------
     def begin_job(self, p: Any) -> None:
@@ -232,9 +235,7 @@ class Extension:
             self.start_generation(p, settings, window, section=True)
         except NotAccelerated as exc:
             logger.log(exc.level, "%s", exc)
-            comment = getattr(p, "comment", None)
-            if comment is not None:
-                comment(str(exc))
+            comment_on(p, str(exc))
             job.plain.append(str(exc))
             if not job.records:
                 self._set_last_run({"accelerated": False, "status": str(exc)})
@@ -251,8 +252,7 @@ class Extension:
             job = Job(owner=id(p))
         job.records.append(record)
         self._set_last_run(job.report() or run_report(record))
-        if processed is not None:
-            processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + record.status).strip()
+        append_comment(processed, record.status)
 
     def dropdown_active(self) -> bool:
         """Whether the dropdown script runs the current generation (the section then leaves it alone)."""
@@ -261,13 +261,11 @@ class Extension:
 
     def _run_plain(self, p: Any, message: str, level: int) -> Any:
         logger.log(level, "%s", message)
-        comment = getattr(p, "comment", None)
-        if comment is not None:
-            comment(message)
+        comment_on(p, message)
         self._set_last_run({"accelerated": False, "status": message})
         processed = host.process_images(p)
-        if processed is not None and message not in (getattr(processed, "comments", "") or ""):
-            processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + message).strip()
+        if message not in (getattr(processed, "comments", "") or ""):
+            append_comment(processed, message)
         return processed
 
     def _set_last_run(self, run: dict[str, Any]) -> None:

@@ -37,6 +37,19 @@ STAT_KEYS = ("ov_calls", "eager_calls", "cache_hits", "compile_seconds", "conver
              "captures_loaded", "hash_seconds")
 
 
+def comment_on(p: Any, message: str) -> None:
+    """Put ``message`` under the images of ``p``'s generation (A1111's ``p.comment``, where ``p`` has one)."""
+    comment = getattr(p, "comment", None)
+    if comment is not None:
+        comment(message)
+
+
+def append_comment(processed: Any, text: str) -> None:
+    """Add ``text`` to the comments shown under ``processed``'s images."""
+    if processed is not None:
+        processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + text).strip()
+
+
 class NotAccelerated(Exception):
     """The generation cannot go through OpenVINO; the message says why (the image is made in PyTorch)."""
 

@@ -6,7 +6,6 @@ import logging
 from typing import Any
 
 from . import host
-from .backend_bridge import BackendUnavailable
 from .extension import Extension
 from .infotext import TITLE, infotext_fields, paste_field_names
 from .settings import FIELD_NAMES, from_ui_args
@@ -43,11 +42,7 @@ def make_script_class(extension: Extension) -> type:
             bind_refresh_after_generation(self.panel, component, kwargs.get("elem_id"), extension)
 
         def run(self, p: Any, *args: Any) -> Any:
-            try:
-                device_names: list[str] | None = extension.device_names()
-            except BackendUnavailable:
-                device_names = None
-            settings = from_ui_args(args, device_names)
+            settings = from_ui_args(args, extension.known_devices())
             return extension.run(p, settings)
 
     return AccelerateWithOpenVINO

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import host
-from .backend_bridge import BackendUnavailable
 from .extension import Extension
+from .generation import comment_on
 from .infotext import SECTION_PASTE_KEY, infotext_fields, paste_field_names
 from .settings import FIELD_NAMES, build_settings
 from .ui import ENABLE_ALWAYS_OPTION, Panel, bind_refresh_after_generation, build_panel
@@ -121,18 +121,12 @@ def make_section_class(extension: Extension) -> type:
                             "leaves it to it", SECTION_TITLE)
                 return
             try:
-                device_names: list[str] | None = extension.device_names()
-            except BackendUnavailable:
-                device_names = None
-            try:
-                settings, why = section_settings(args, getattr(p, OVERRIDE_ATTR, None), device_names)
+                settings, why = section_settings(args, getattr(p, OVERRIDE_ATTR, None), extension.known_devices())
             except ValueError as exc:  # A1111 logs and ignores what a hook raises: say it where the user looks
                 why = f"not used for this image: {exc}"
                 message = f"Accelerate with OpenVINO: {why}"
                 logger.warning("%s", message)
-                comment = getattr(p, "comment", None)
-                if comment is not None:
-                    comment(message)
+                comment_on(p, message)
                 extension.section_process(p, None, why, error=True)
                 return
             extension.section_process(p, settings, why)
