@@ -299,22 +299,63 @@ def sizes_may_be_one() -> Iterator[None]:
 
     dynamo makes a size of 1 static and assumes a symbolic size is at least 2, so a graph captured with a
     batch of 2 did not serve a batch of 1, nor the other way round: dynamo traced the code again, in
-    another graph, which the backend converted again. A1111 runs the UNet at a batch of 1 whenever the
-    prompt and the negative prompt differ in length (a prompt over 75 tokens): that was a second capture
-    and conversion of the whole UNet (about a minute at full size). With torch's size-oblivious reasoning
-    on backed sizes, a batch of 1 is symbolic like any other, and a capture serves both unless torch still
-    guards the size on being more than 1 (it does for A1111's UNet: the memory format it picks for a
-    convolution that reads a permuted view). Then a batch of 1 is captured again, but its graph is the
-    same, and so is its converted model (the cache key names the graph): no conversion. Without that
-    torch setting the block changes nothing.
+    another graph. A1111 runs the UNet at a batch of 1 whenever the prompt and the negative prompt differ
+    in length (a prompt over 75 tokens) and on the late steps of "Negative Guidance minimum sigma": each was
+    a second capture of the whole UNet. Two things make one capture serve both:
+
+    - torch's size-oblivious reasoning on backed sizes: a batch of 1 is symbolic like any other;
+    - convolutions traced with a contiguous output (:func:`_contiguous_convolutions`): torch picks a
+      convolution's memory format from its input's strides, which for A1111's UNet (a convolution reading
+      a permuted view, in its SpatialTransformer) guards every size of the input on being more than 1.
+      The graph a backend gets has no strides: the format only decides the traced strides, and a graph
+      run by OpenVINO computes the same values with either.
+
+    Without torch's setting the block changes nothing.
     """
     from torch.fx.experimental import _config as config
 
     if not hasattr(config, "backed_size_oblivious"):
         yield
         return
-    with config.patch(backed_size_oblivious=True):
+    with config.patch(backed_size_oblivious=True), _contiguous_convolutions():
         yield
+
+
+_CONV_FORMAT_LOCK = threading.Lock()
+_conv_format_users = 0
+_conv_format_plain: Callable[..., Any] | None = None
+
+
+def _traced_conv_format(input_: torch.Tensor, weight: torch.Tensor, backend: Any) -> torch.memory_format:
+    """torch's choice of a convolution's memory format, except contiguous for a traced input with symbolic
+    sizes or strides (torch's choice reads them, and so guards them)."""
+    if any(isinstance(v, torch.SymInt) for t in (input_, weight) for v in (*t.shape, *t.stride())):
+        return torch.contiguous_format
+    assert _conv_format_plain is not None
+    return _conv_format_plain(input_, weight, backend)
+
+
+@contextlib.contextmanager
+def _contiguous_convolutions() -> Iterator[None]:
+    """Within the block (in any thread: torch looks the function up when it traces a convolution), traced
+    convolutions with symbolic sizes get a contiguous output; real convolutions are untouched."""
+    global _conv_format_users, _conv_format_plain
+    name = "_conv_determine_backend_memory_format"
+    if not hasattr(torch._C, name):
+        yield
+        return
+    with _CONV_FORMAT_LOCK:
+        if _conv_format_users == 0:
+            _conv_format_plain = getattr(torch._C, name)
+            setattr(torch._C, name, _traced_conv_format)
+        _conv_format_users += 1
+    try:
+        yield
+    finally:
+        with _CONV_FORMAT_LOCK:
+            _conv_format_users -= 1
+            if _conv_format_users == 0:
+                setattr(torch._C, name, _conv_format_plain)
 
 
 def mark_varying(tensor: torch.Tensor, dims: Mapping[int, tuple[int, ...]]) -> None:
