@@ -2,7 +2,7 @@
 
 Owns :class:`CompiledGraph`, what the backend returns to dynamo. On each call it checks the
 weights (cheap, :mod:`ov_backend.variants`), picks the variant built for the call's input
-signature or has one built (:mod:`ov_backend.routes`), runs it, and counts the call; an
+signature or has one built (:mod:`ov_backend.build`), runs it, and counts the call; an
 OpenVINO model that fails at run time is replaced by the graph in PyTorch (WARNING, or
 :class:`OpenVINOFallbackError` when ``strict``).
 
@@ -18,15 +18,13 @@ from typing import Any
 
 import torch
 
-from ov_backend.context import BuildContext, OpenVINOFallbackError
-from ov_backend.inputs import GraphFacts, GraphInputs, InputKind, classify_inputs, signature, signature_text
-from ov_backend.routes import GraphBuilder
-from ov_backend.variants import MAX_WEIGHT_VARIANTS, ModelReleased, WeightVariants, keep_previous_weights
+from ov_backend.build import GraphBuilder
+from ov_backend.context import BuildContext
+from ov_backend.context import OpenVINOFallbackError as OpenVINOFallbackError  # ov_backend/__init__ loads it from here
+from ov_backend.inputs import GraphFacts, GraphInputs, signature, signature_text
+from ov_backend.variants import ModelReleased, WeightSet, WeightVariants, keep_previous_weights
 
 logger = logging.getLogger(__name__)
-
-# names other modules imported from here before the split
-__all__ = ["MAX_WEIGHT_VARIANTS", "CompiledGraph", "InputKind", "OpenVINOFallbackError", "classify_inputs"]
 
 
 class CompiledGraph:
@@ -124,43 +122,43 @@ class CompiledGraph:
             logger.info("%s: released %d compiled model(s): %s", self.name, released, why)
         return released
 
-    def _variant(self, sig: Any, user_values: Any, weight_values: Any) -> tuple[str, dict[Any, Any], Any]:
-        """The weights' fingerprint and variants, and the variant for ``sig`` (built if missing, or if
+    def _variant(self, sig: Any, user_values: Any, weight_values: Any) -> tuple[str, WeightSet, Any]:
+        """The weights' fingerprint and weight set, and the variant for ``sig`` (built if missing, or if
         the model it borrowed is gone)."""
-        fp, variants = self._weights.current(weight_values)
-        variant = variants.get(sig)
+        fp, store = self._weights.current(weight_values)
+        variant = store.variants.get(sig)
         if variant is None or not variant.usable:
             with self._lock:
-                fp, variants = self._weights.current(weight_values)
-                variant = variants.get(sig)
+                fp, store = self._weights.current(weight_values)
+                variant = store.variants.get(sig)
                 if variant is None or not variant.usable:
                     self._release_unused(fp)
-                    variant = self._builder.build(sig, user_values, weight_values, variants, fp)
-                    variants[sig] = variant
+                    variant = self._builder.build(sig, user_values, weight_values, store, fp)
+                    store.variants[sig] = variant
         window = self.context.window.current
         self._last_used[(fp, sig)] = self._weights_used[fp] = window
-        return fp, variants, variant
+        return fp, store, variant
 
     def __call__(self, *args: Any) -> Any:
         weight_values, user_values = self.inputs.split(args)
         sig = signature(user_values, self.inputs.scalar_tensors)
-        fp, variants, variant = self._variant(sig, user_values, weight_values)
+        fp, store, variant = self._variant(sig, user_values, weight_values)
         start = time.perf_counter()
         try:
             try:
                 result = variant.run(user_values)
             except ModelReleased:  # its owner released the borrowed model after the check: build again
                 with self._lock:
-                    if variants.get(sig) is variant:
-                        del variants[sig]
-                fp, variants, variant = self._variant(sig, user_values, weight_values)
+                    if store.variants.get(sig) is variant:
+                        del store.variants[sig]
+                fp, store, variant = self._variant(sig, user_values, weight_values)
                 result = variant.run(user_values)
         except Exception as err:  # OpenVINO runtime errors come as RuntimeError and others
             if not variant.in_openvino:
                 raise
             self.context.fail(f"{self.name} {signature_text(sig)}: OpenVINO inference failed ({err})", err)
             with self._lock:
-                variants[sig] = variant = self._builder.eager(weight_values)
+                store.variants[sig] = variant = self._builder.eager(weight_values)
             result = variant.run(user_values)
         self.context.stats.add(run_seconds=time.perf_counter() - start,
                                **({"ov_calls": 1} if variant.in_openvino else {"eager_calls": 1}))

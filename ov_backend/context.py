@@ -3,8 +3,9 @@
 Owns :class:`BuildContext`, the narrow view of an :class:`ov_backend.backend.OVBackend` that a
 compiled graph gets: settings, the OpenVINO core, the model cache, the counters, the compile
 function and the report sink. On top of them it owns the cache look-ups and stores (counted as
-hits and misses), cache keys, compiling a model into a partition report, and :meth:`fail`: the
-fallback policy (a WARNING with the reason, or :class:`OpenVINOFallbackError` when ``strict``).
+hits and misses; the keys are made by :mod:`ov_backend.build.keys`), compiling a model into a
+partition report, and :meth:`fail`: the fallback policy (a WARNING with the reason, or
+:class:`OpenVINOFallbackError` when ``strict``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import openvino as ov
 
-from ov_backend.cache import ModelCache, make_key
+from ov_backend.cache import ModelCache
 from ov_backend.report import CompileReport, PartitionReport, Stats
 from ov_backend.settings import BackendSettings
 from ov_backend.variants import SharedModels, UseWindow
@@ -71,16 +72,6 @@ class BuildContext:
         if self.settings.strict:
             raise OpenVINOFallbackError(message + " (strict mode: not running it in PyTorch)") from err
         logger.warning("%s; running it in PyTorch", message)
-
-    def key(self, what: str, sig: Any, fingerprint: str | None, extra: Mapping[str, Any],
-            for_device: bool = True) -> str:
-        """The cache key of a model: what it is, its signature, weights, settings and versions.
-
-        ``for_device=False``: a model as converted, before any device or precision touched it (the
-        dynamic route's), whose key leaves out the device and its config: a precision switch reuses it."""
-        settings = self.settings.result_key() if for_device else self.settings.conversion_key()
-        return make_key({"what": what, "signature": repr(sig), "weights": fingerprint,
-                         "settings": settings, "versions": dict(self.versions), **extra})
 
     def cache_load(self, key: str) -> ov.Model | None:
         """The converted model cached under ``key``, or None (counted as a hit or a miss)."""

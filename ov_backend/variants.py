@@ -1,7 +1,8 @@
 """The models one graph keeps: per set of weights, per input signature.
 
-Owns :class:`Variant` (how one signature runs: OpenVINO or PyTorch) and :class:`WeightVariants`,
-the small LRU of weight sets (e.g. LoRA combinations) whose variants stay in memory. Noticing a
+Owns :class:`Variant` (how one signature runs: OpenVINO or PyTorch), :class:`WeightSet` (what a
+graph keeps for one set of weights) and :class:`WeightVariants`, the small LRU of weight sets (e.g.
+LoRA combinations) that stay in memory. Noticing a
 change of weights costs microseconds on each call (:class:`ov_backend.weights.WeightWatch`); only
 a change hashes the weights' contents, whose fingerprint names the set in cache keys. Also owns
 :class:`UseWindow` (what a unit of work keeps compiled) and :class:`SharedModels` (the compiled
@@ -16,6 +17,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,12 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: How many sets of weights (e.g. LoRA combinations) keep compiled models in memory per graph.
 MAX_WEIGHT_VARIANTS = 2
-#: the key, in a weights set's variants, of the model compiled with dynamic shapes that serves every
-#: signature (see ``BackendSettings.shared_shapes``); its variants are :data:`FOR_ALL_SHAPES`
-ALL_SHAPES_MODEL = "__compiled_for_all_shapes__"
 #: ``Variant.compiled_for`` of a model compiled for its signature from the graph's dynamic conversion
 FOR_ONE_SHAPE = "one shape"
-#: ``Variant.compiled_for`` of a variant that runs the weights set's :data:`ALL_SHAPES_MODEL`
+#: ``Variant.compiled_for`` of a variant that runs the weights set's model for all shapes
+#: (:attr:`WeightSet.all_shapes`)
 FOR_ALL_SHAPES = "all shapes"
 #: ``Variant.compiled_for`` of a variant that runs a model for all shapes another graph compiled and
 #: lends (:class:`SharedModels`): it holds no model of its own
@@ -185,6 +185,33 @@ def eager_variant(inputs: GraphInputs, weight_values: Sequence[torch.Tensor]) ->
     return Variant(lambda user: inputs.gm(*inputs.full_args(user, frozen)), in_openvino=False)
 
 
+@dataclass(eq=False)
+class WeightSet:
+    """What one graph keeps for one set of weights.
+
+    Attributes:
+        variants: input signature -> how it runs.
+        dynamic_model: the model converted with dynamic shapes (weights bound), reshaped and compiled for
+            each signature; None on the static build or before the first dynamic build.
+        all_shapes: the model compiled with dynamic shapes that serves every signature (an
+            :class:`~ov_backend.runtime.OVRunner`, see ``BackendSettings.shared_shapes``); its variants are
+            :data:`FOR_ALL_SHAPES`, and it goes with the last of them.
+        int8_models: at precision "int8": signature (None: dynamic shapes) -> the INT8 model.
+        calibrations: at precision "int8": signature (None: dynamic shapes) -> the recording of calls at
+            float that the INT8 model is calibrated on (a :class:`~ov_backend.quantize.Calibration`).
+    """
+
+    variants: dict[Any, Variant] = field(default_factory=dict)
+    dynamic_model: Any = None
+    all_shapes: Any = None
+    int8_models: dict[Any, Any] = field(default_factory=dict)
+    calibrations: dict[Any, Any] = field(default_factory=dict)
+
+    def one_shape_variants(self) -> list[Any]:
+        """The signatures whose variant runs a model compiled for that signature alone (dynamic build)."""
+        return [sig for sig, v in self.variants.items() if v.compiled_for == FOR_ONE_SHAPE]
+
+
 class WeightVariants:
     """Variants by weights fingerprint, the last :data:`MAX_WEIGHT_VARIANTS` sets of weights kept.
 
@@ -206,10 +233,10 @@ class WeightVariants:
         self._on_hash = on_hash
         self._watch: weights.WeightWatch | None = None
         self._fingerprint: str | None = None
-        self._by_weights: OrderedDict[str, dict[Any, Any]] = OrderedDict()
+        self._by_weights: OrderedDict[str, WeightSet] = OrderedDict()
 
-    def current(self, weight_values: Sequence[torch.Tensor]) -> tuple[str, dict[Any, Any]]:
-        """The fingerprint of these weights and the variants built for them (a dict to fill)."""
+    def current(self, weight_values: Sequence[torch.Tensor]) -> tuple[str, WeightSet]:
+        """The fingerprint of these weights and what was built for them (to fill)."""
         watch = self._watch
         fp = self._fingerprint
         if watch is not None and not watch.changed(weight_values) and fp is not None:
@@ -227,7 +254,7 @@ class WeightVariants:
                 logger.info("%s: weights changed (fingerprint %s, %.2fs); %s", self._name, fp[:12], seconds,
                             "reusing models built for them" if fp in self._by_weights else "will recompile")
             if fp not in self._by_weights:
-                self._by_weights[fp] = {}
+                self._by_weights[fp] = WeightSet()
                 while len(self._by_weights) > MAX_WEIGHT_VARIANTS:
                     self._by_weights.popitem(last=False)
             self._by_weights.move_to_end(fp)
@@ -241,8 +268,8 @@ class WeightVariants:
         watch = self._watch
         return watch is not None and watch.stale()
 
-    def current_store(self) -> dict[Any, Any] | None:
-        """The variants of the weights the last call had (None before the first call)."""
+    def current_store(self) -> WeightSet | None:
+        """What was built for the weights the last call had (None before the first call)."""
         with self._lock:
             return self._by_weights.get(self._fingerprint) if self._fingerprint is not None else None
 
@@ -256,19 +283,19 @@ class WeightVariants:
         dropped = 0
         for fp, sig in unused:
             found = self._by_weights.get(fp)
-            variant = found.get(sig) if found is not None else None
-            if isinstance(variant, Variant) and variant.releasable:
-                del found[sig]
+            variant = found.variants.get(sig) if found is not None else None
+            if variant is not None and variant.releasable:
+                del found.variants[sig]
                 # a variant of the model for all shapes holds none of its own: counted when that goes;
                 # a borrowed one is its owner's to count
                 dropped += variant.compiled_for not in (FOR_ALL_SHAPES, BORROWED)
         for found in self._by_weights.values():
             # the model for all shapes goes with the last variant that ran it
-            if ALL_SHAPES_MODEL in found and not any(
-                    isinstance(v, Variant) and v.compiled_for == FOR_ALL_SHAPES for v in found.values()):
-                del found[ALL_SHAPES_MODEL]
+            if found.all_shapes is not None and not any(
+                    v.compiled_for == FOR_ALL_SHAPES for v in found.variants.values()):
+                found.all_shapes = None
                 dropped += 1
         for fp, found in list(self._by_weights.items()):
-            if fp != self._fingerprint and not any(isinstance(v, Variant) for v in found.values()):
+            if fp != self._fingerprint and not found.variants:
                 del self._by_weights[fp]
         return dropped

@@ -116,9 +116,10 @@ def test_a_model_made_from_the_weights_values_is_never_stored_for_other_weights(
     """When the weights cannot stay inputs (here: the converted model would not take them back), they are
     converted as constants; such a model (this block's norm of ones is dropped from it) is stored under
     its weights' fingerprint, never under the key that serves any weights."""
-    from ov_backend import OVBackend, routes
+    from ov_backend import OVBackend
+    from ov_backend.build import dynamic
 
-    monkeypatch.setattr(routes, "name_weight_inputs", lambda *args: None)
+    monkeypatch.setattr(dynamic, "name_weight_inputs", lambda *args: None)
     options = {"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")}
     model = Block().eval()
     first = OVBackend(options)

@@ -1,6 +1,6 @@
-"""The static route: one graph traced for one signature, partitioned, each partition converted.
+"""The static build's partitions: one graph traced for one signature, partitioned, each partition converted.
 
-Owns :class:`StaticBuild`: tracing (a graph that cannot be traced runs in PyTorch), the retry
+Owns :class:`PartitionedBuild`: tracing (a graph that cannot be traced runs in PyTorch), the retry
 loop (ops the OpenVINO frontend reports it cannot convert are left to PyTorch and the graph is
 partitioned again), converting and compiling each partition (from the cache when it holds it),
 and the whole-graph cache key for a graph that is one partition. Every partition that stays in
@@ -22,6 +22,7 @@ import openvino as ov
 import torch
 
 from ov_backend import convert, weights
+from ov_backend.build.keys import GraphKeys
 from ov_backend.context import BuildContext
 from ov_backend.inputs import GraphInputs, output_dtype
 from ov_backend.ops import OpenVINOSupport, node_op_name
@@ -35,22 +36,24 @@ logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 
 
-class StaticBuild:
+class PartitionedBuild:
     """One static build of a graph for one signature.
 
     Args:
         context: what the backend lends.
         inputs: the graph's inputs and outputs.
         name: the graph's name for logs and reports.
+        keys: the graph's cache keys.
         decompositions: the decomposition table for tracing.
         report: the compile report to fill.
     """
 
-    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str,
+    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str, keys: GraphKeys,
                  decompositions: dict[Any, Callable[..., Any]], report: CompileReport) -> None:
         self.context = context
         self.inputs = inputs
         self.name = name
+        self.keys = keys
         self.decompositions = decompositions
         self.report = report
         #: the converted model of a graph that is one partition (its inputs and outputs are the graph's)
@@ -160,12 +163,12 @@ class StaticBuild:
         report.partitions.append(part)
         # hashing the constants costs time: only for the disk cache
         if key is None and context.settings.model_caching:
-            key = context.key("partition", name, fingerprint, {
-                "code": sub.code, "constants": weights.fingerprint(list(sub.buffers()), context.digests),
-                "inputs": [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"]})
+            key = self.keys.partition(name, fingerprint, sub.code,
+                                      weights.fingerprint(list(sub.buffers()), context.digests),
+                                      [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"])
         reordered = whole is not None and whole != list(range(len(whole)))
         # a whole-graph entry holds the outputs in the graph's order, not the partition's: only the
-        # whole-graph route reads it (here it is converted again)
+        # whole-graph build reads it (here it is converted again)
         model: ov.Model | Path | None = context.cache_file(key) if key and not reordered else None
         part.cache_hit = model is not None
         if model is None:
