@@ -10,9 +10,10 @@ At INT8 precision only the UNet is quantized (its first calls run at float and a
 calibration, :meth:`Accelerator.calibrate` quantizes on what was recorded); the VAE and text encoders
 run at the float default, as measured: they are a small part of a generation's time.
 
-Every compiled call is watched (``ov_backend.graph_runs``, the check the WebUI adapter uses too):
-a call dynamo ran without any compiled graph (it gave up on the function, e.g. at its recompile
-limit) is counted with the reason, and :meth:`Accelerator.eager_report` says so.
+Each part's forward is an ``ov_backend.CompiledMethod`` (the object the WebUI adapter routes with too:
+torch.compile, the captures saved in the disk cache, the check of each call): a call dynamo ran without
+any compiled graph (it gave up on the function, e.g. at its recompile limit) is counted with the reason,
+and :meth:`Accelerator.eager_report` says so.
 """
 
 from __future__ import annotations
@@ -27,20 +28,10 @@ from .parts import VARYING_DIMS
 from .settings import SDSettings
 
 if TYPE_CHECKING:
-    from ov_backend.graph_runs import EagerCalls
+    from ov_backend import EagerCalls
 
 logger = logging.getLogger(__name__)
 
-
-
-def _through(captures: Any, compiled: Any) -> Any:
-    """A part's forward: its saved capture (loaded from the cache, or captured and saved now) runs the call,
-    or ``compiled`` (torch.compile's function) when it cannot (see ``ov_backend.saved_captures``)."""
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return captures.call(args, kwargs, compiled)
-
-    return forward
 
 
 class Accelerator:
@@ -74,9 +65,7 @@ class Accelerator:
         """Compile the chosen parts (lazily: OpenVINO converts on the first call of each shape)."""
         if self._originals:
             return self
-        from ov_backend.graph_runs import EagerCalls, GraphRunCounter
-        from ov_backend.precision import DEFAULT_PRECISION, QUANTIZED_PRECISIONS
-        from ov_backend.saved_captures import SavedCaptures
+        from ov_backend import DEFAULT_PRECISION, QUANTIZED_PRECISIONS, CompiledMethod, EagerCalls, GraphRunCounter
 
         quantized = self.settings.precision in QUANTIZED_PRECISIONS
         if self.backend is None:
@@ -93,11 +82,9 @@ class Accelerator:
         self._calls = EagerCalls()
         for part, module in self.targets():
             original = module.__dict__.get("forward")
-            code = getattr(type(module).forward, "__code__", None)
-            part_counter = unet_counter if part == "unet" else counter
-            compiled = torch.compile(module.forward, backend=part_counter)
-            captures = SavedCaptures.of(module.forward, "forward", part_counter, part_counter.backend, VARYING_DIMS)
-            module.forward = self._calls.watch(part, _through(captures, compiled), counter, code)
+            method = CompiledMethod(module.forward, unet_counter if part == "unet" else counter, VARYING_DIMS,
+                                    code=getattr(type(module).forward, "__code__", None))
+            module.forward = self._calls.watch(part, method)
             self._originals.append((module, original))
             logger.info("%s (%s) routed through ov_backend on %s", part, type(module).__name__,
                         self.settings.device)

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .backend_bridge import BackendApi, backend_module
-from .compiled_route import VARYING_DIMS, CompiledRoute, compile_route, make_forward
+from ov_accelerate_sd.parts import VARYING_DIMS
+
+from .backend_bridge import BackendApi, ov_backend
+from .compiled_route import CompiledRoute, compile_route, f32_route, make_forward
 from .finite_guard import F32Switch
 from .lora import LoraChange, LoraHook
 from .model_parts import PYTORCH_CHECKS, Target, checkpoint_key, find_targets
@@ -36,9 +38,7 @@ from .routing import Route, mark_ours
 from .settings import PRECISION_F32, PRECISION_NAMES, AccelerateSettings
 
 if TYPE_CHECKING:
-    from ov_backend.backend import OVBackend
-    from ov_backend.graph_runs import GraphRunCounter
-    from ov_backend.report import CompileReport
+    from ov_backend import CompileReport, GraphRunCounter, OVBackend
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class PreparedRun:
 
 def _quantized(precision: str) -> bool:
     """Whether the backend precision name ``precision`` quantizes (INT8: the UNet only)."""
-    return precision in backend_module("precision").QUANTIZED_PRECISIONS
+    return precision in ov_backend.QUANTIZED_PRECISIONS
 
 
 #: How a run's compiled models are kept (see :meth:`Accelerator.prepare`).
@@ -135,7 +135,7 @@ class Accelerator:
         options = settings.backend_options(default_cache_dir)
         quantized = _quantized(options["precision"])
         if quantized:  # the UNet's backend is derived from this float one in _prepared (see _unet_backend)
-            options = {**options, "precision": backend_module("precision").DEFAULT_PRECISION}
+            options = {**options, "precision": ov_backend.DEFAULT_PRECISION}
         key = backend_key(options)
         ckpt = checkpoint_key(model)
         f32_options = None
@@ -270,15 +270,13 @@ class Accelerator:
     def _counter(self, key: BackendKey, backend: OVBackend) -> GraphRunCounter:
         counter = self._counters.get(key)
         if counter is None or counter.backend is not backend:
-            counter = self._counters[key] = backend_module("graph_runs").GraphRunCounter(backend)
+            counter = self._counters[key] = ov_backend.GraphRunCounter(backend)
         return counter
 
     def _f32_build(self, entry: CompiledRoute, options: Mapping[str, Any]) -> CompiledRoute:
         """The f32 build of ``entry``'s route (compiled on its first call, by the f32 backend)."""
         key = backend_key(options)
-        counter = self._counter(key, self._backend(key, options))
-        return compile_route(entry.part, entry.label, entry.module_ref, entry.source, counter, entry.varying_dims,
-                             entry.code, entry.method)
+        return f32_route(entry, self._counter(key, self._backend(key, options)))
 
     def keep_only(self, runs: Sequence[PreparedRun]) -> None:
         """Drop compiled forwards of module objects that none of ``runs`` routed (models A1111 replaced)."""

@@ -7,11 +7,13 @@ A1111 puts an extension's folder on ``sys.path`` only while it executes that ext
 restores the previous ``sys.path`` right after, so at generation time a plain ``import ov_backend``
 fails with ModuleNotFoundError. The backend is therefore imported from this extension's own folder by
 location (:func:`import_sibling_package`), without touching ``sys.path``.
+
+The adapter uses the backend's public API (the names in its ``__all__``) through :data:`ov_backend`: for type
+checkers the package itself, at run time a stand-in that imports it this way on first use.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.machinery
 import importlib.util
 import logging
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +74,26 @@ class BackendApi:
     backend_class: Callable[[Any], Any]
     """``ov_backend.OVBackend``: settings -> backend instance usable with torch.compile."""
     list_devices: Callable[[], list[tuple[str, str]]]
-    """``ov_backend.devices.list_devices``: [(name, full name)]."""
+    """``ov_backend.list_devices``: [(name, full name)]."""
     model_cache: Callable[[str], Any]
-    """``ov_backend.cache.ModelCache``: folder -> cache object (entries, total_bytes, clear, prune)."""
+    """``ov_backend.ModelCache``: folder -> cache object (entries, total_bytes, clear, prune)."""
 
 
-def backend_module(name: str) -> ModuleType:
-    """The module ``ov_backend.<name>`` of this extension's own copy of the backend.
+class _LoadedOnUse:
+    """``ov_backend`` imported from this extension's folder when one of its names is first used."""
 
-    Raises:
-        ModuleNotFoundError, or whatever importing openvino raises when it is broken.
-    """
-    import_sibling_package("ov_backend")
-    return importlib.import_module(f"ov_backend.{name}")
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(import_sibling_package("ov_backend"), name)
+
+
+if TYPE_CHECKING:
+    import ov_backend
+else:
+    #: The backend's public API. Using a name raises ModuleNotFoundError, or whatever importing openvino
+    #: raises when it is broken (:func:`load_backend` turns that into BackendUnavailable with the fix).
+    ov_backend = _LoadedOnUse()
 
 
 def load_backend() -> BackendApi:
@@ -94,12 +103,11 @@ def load_backend() -> BackendApi:
         BackendUnavailable: with the import error and the fix.
     """
     try:
-        backend = import_sibling_package("ov_backend")
         return BackendApi(
-            build_settings=backend.build_settings,
-            backend_class=backend.OVBackend,
-            list_devices=backend_module("devices").list_devices,
-            model_cache=backend_module("cache").ModelCache,
+            build_settings=ov_backend.build_settings,
+            backend_class=ov_backend.OVBackend,
+            list_devices=ov_backend.list_devices,
+            model_cache=ov_backend.ModelCache,
         )
     except Exception as exc:  # ImportError, or a broken openvino raising anything at import
         message = (

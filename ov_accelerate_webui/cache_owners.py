@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .backend_bridge import backend_module
+from .backend_bridge import ov_backend
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def record(folder: str | os.PathLike[str], keys: Iterable[str], checkpoint: str)
     owners = _read(path)
     owners.update({key: checkpoint for key in keys})
     try:
-        with backend_module("files").atomic_path(path / INDEX_NAME) as tmp:
+        with ov_backend.atomic_path(path / INDEX_NAME) as tmp:
             tmp.write_text(json.dumps({"owners": owners}, indent=1, sort_keys=True))
     except OSError as err:
         logger.warning("could not note the checkpoint of new cache entries in %s: %s", path, err)
@@ -76,7 +76,7 @@ def sizes_by_checkpoint(folder: str | os.PathLike[str], cache: Any) -> list[tupl
 def describe(folder: str | os.PathLike[str], cache: Any) -> str:
     """One line: "By checkpoint: a.safetensors [1234abcd] 12.0 MiB (3 entries); every checkpoint (no weights in
     them) 5.0 MiB (4 entries); ..." ("" when empty)."""
-    fmt = backend_module("files").format_bytes
+    fmt = ov_backend.format_bytes
     items = sizes_by_checkpoint(folder, cache)
     if not items:
         return ""

@@ -6,12 +6,14 @@ notices a call dynamo ran without any compiled graph (counted with the reason), 
 precision checks the output for inf and NaN (:mod:`.finite_guard`): a non-finite output from finite
 inputs moves the route to its f32 build, which runs the same call again and whose result is returned.
 
-Sizes: the dimensions that change between generations (:data:`VARYING_DIMS`: batch, latent height and
+The compiled method itself (torch.compile, the saved captures, the check that a call ran a compiled graph)
+is the backend's :class:`ov_backend.CompiledMethod`, which the command line uses too.
+
+Sizes: the dimensions that change between generations (``ov_accelerate_sd.parts.VARYING_DIMS``: batch, latent height and
 width, prompt length) are marked dynamic on the first call, so dynamo hands the backend one graph with
 symbolic sizes from the start, a batch of 1 included (the UNet's calls when a long prompt and its
-negative prompt differ in length: where torch guards the batch on being more than 1 in a capture, the
-other batch is captured again, to the same graph and converted model). Each new size is then compiled
-once, and a size seen before is found again without a compile. (Left to dynamo's automatic dynamic
+negative prompt differ in length, and on Negative Guidance minimum sigma's late steps). Each new size is
+then compiled once, and a size seen before is found again without a compile. (Left to dynamo's automatic dynamic
 shapes, the first size would be compiled twice: once static, and once more in the symbolic graph that
 later shadows it.)
 """
@@ -28,31 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ov_accelerate_sd.parts import VARYING_DIMS
-
-from .backend_bridge import backend_module
+from .backend_bridge import ov_backend
 from .finite_guard import F32Switch, all_finite
 from .settings import PART_LABELS
 
 if TYPE_CHECKING:
-    from ov_backend.graph_runs import GraphRunCounter
-    from ov_backend.saved_captures import SavedCaptures
+    from ov_backend import CompiledMethod, GraphRunCounter
 
 logger = logging.getLogger(__name__)
 
 #: How long dynamo's giving up on a routed function lasts, as a WebUI user sees it.
 EAGER_UNTIL = "until another checkpoint is loaded or the WebUI restarts"
-
-
-def mark_varying_dims(
-    args: Sequence[Any], kwargs: dict[str, Any], dims: Mapping[int, tuple[int, ...]] = VARYING_DIMS
-) -> None:
-    """Mark ``dims`` (rank -> dimensions; default :data:`VARYING_DIMS`) of the tensor arguments as dynamic
-    for dynamo (sizes of 1 too: see ``ov_backend.portable.sizes_may_be_one``)."""
-    mark = backend_module("portable").mark_varying
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            mark(value, dims)
 
 
 def input_signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
@@ -63,43 +51,38 @@ def input_signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
 
 @dataclass
 class CompiledRoute:
-    """The compiled forward of one routed module object, and what its calls did."""
+    """The compiled method of one routed module object, and what its calls did."""
 
     part: str
     label: str
     module_ref: weakref.ReferenceType
-    compiled: Callable[..., Any]
-    counter: GraphRunCounter
-    varying_dims: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: VARYING_DIMS)
-    code: CodeType | None = None
+    compiled: CompiledMethod
+    """The module's method compiled through its backend (``ov_backend.CompiledMethod``)."""
     seen: set[tuple] = field(default_factory=set)
     calls: int = 0
     eager_calls: int = 0
     """Calls dynamo ran without a compiled graph (plain PyTorch)."""
     eager_reason: str = ""
-    source: Callable[..., Any] | None = None
-    """The routed method as it was before routing (what an f32 build compiles)."""
     f32: CompiledRoute | None = None
     """The f32 build this route runs since its output was not finite at automatic precision."""
     f32_switch: F32Switch | None = None
     """Why the route runs at f32 (set once the f32 build has run the call that was not finite)."""
     lora_applied: tuple[tuple[str, float, float], ...] = ()
     """The Lora extension's networks (name, TE and UNet strength) last written into this route's module."""
-    graphs: Any = None
-    """The ``GraphCollector`` that ``compiled`` was made with (releases its compiled models), or None."""
-    method: str = "forward"
-    """The name of the module's method the route replaces."""
-    captures: SavedCaptures | None = None
-    """dynamo's captures of the method saved in the disk cache (None: torch.compile captures every process)."""
     pytorch_calls: int = 0
     """Calls run on the module's own method because something changed its work in a way OpenVINO does not
     take (see :func:`make_forward`'s ``bypass``)."""
     pytorch_reason: str = ""
 
+    @property
+    def source(self) -> Callable[..., Any]:
+        """The routed method as it was before routing (what the route, and an f32 build, compile)."""
+        return self.compiled.source
+
     def release(self) -> int:
         """Release the compiled models of this route and of its f32 build (their converted models stay:
         using the route again costs a compile); returns how many were released."""
-        own = self.graphs.release() if self.graphs is not None else 0
+        own = self.compiled.release()
         return own + (self.f32.release() if self.f32 is not None else 0)
 
 
@@ -113,14 +96,18 @@ def compile_route(
     code: CodeType | None,
     method: str = "forward",
 ) -> CompiledRoute:
-    """A route whose compiled forward is ``torch.compile(source)`` through ``counter`` (its graphs collected,
-    so that :meth:`CompiledRoute.release` can release their compiled models); ``method`` is the name the
-    routed module's method is replaced under."""
-    graphs = backend_module("graph_runs").GraphCollector(counter)
-    captures = backend_module("saved_captures").SavedCaptures.of(source, method, graphs, counter.backend, varying_dims)
-    return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=torch.compile(source, backend=graphs),
-                         counter=counter, varying_dims=varying_dims, code=code, source=source, graphs=graphs,
-                         captures=captures, method=method)
+    """A route whose method is ``source`` compiled through ``counter``'s backend (``ov_backend.CompiledMethod``);
+    ``method`` is the name the routed module's method is replaced under, ``code`` the code object dynamo
+    keeps its compiled variants on."""
+    compiled = ov_backend.CompiledMethod(source, counter, varying_dims, method, code)
+    return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=compiled)
+
+
+def f32_route(entry: CompiledRoute, counter: GraphRunCounter) -> CompiledRoute:
+    """``entry``'s route built again through ``counter`` (the f32 backend's)."""
+    like = entry.compiled
+    return compile_route(entry.part, entry.label, entry.module_ref, like.source, counter, like.varying, like.code,
+                         like.attribute)
 
 
 def make_forward(
@@ -155,23 +142,12 @@ def make_forward(
             at = ", f32" if build is not entry else ""
             notify(f"OpenVINO: compiling {label} ({entry.label}{at}) for input {shapes} ...")
 
-        def through_torch_compile(*args: Any, **kwargs: Any) -> Any:
-            if new:  # (a saved capture is called with the arguments unmarked: its guards ask for that)
-                mark_varying_dims(args, kwargs, build.varying_dims)
-            with backend_module("portable").sizes_may_be_one():
-                return build.compiled(*args, **kwargs)
-
-        before = build.counter.graphs_run()
         try:
-            if build.captures is not None:
-                result = build.captures.call(args, kwargs, through_torch_compile)
-            else:
-                result = through_torch_compile(*args, **kwargs)
+            result, eager = build.compiled.call(args, kwargs, new_input=new)
         finally:
             if new:
                 notify(None)
-        eager = build.counter.graphs_run() == before  # dynamo ran it without a compiled graph
-        reason = backend_module("graph_runs").why_eager(entry.code, EAGER_UNTIL) if eager else ""
+        reason = build.compiled.why_eager(EAGER_UNTIL) if eager else ""
         with lock:
             if eager:
                 entry.eager_calls += 1

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import cache_owners, host
 from .accelerator import WINDOW_CONTINUE, WINDOW_NEW, WINDOW_OFF, Accelerator
-from .backend_bridge import BackendApi, BackendUnavailable, backend_module, load_backend
+from .backend_bridge import BackendApi, BackendUnavailable, load_backend, ov_backend
 from .generation import Generation, Job, NotAccelerated, RunRecord, append_comment, comment_on, run_report
 from .infotext import WRITTEN_KEYS, generation_params
 from .model_parts import UnsupportedModel, checkpoint_key, checkpoint_label
@@ -337,7 +337,7 @@ class Extension:
         """E.g. "12 entries, 1.2 GiB in /models/openvino_cache", and a line of sizes per checkpoint."""
         path = self.cache_dir(folder)
         cache = self.api().model_cache(path)
-        size = backend_module("files").format_bytes(cache.total_bytes())
+        size = ov_backend.format_bytes(cache.total_bytes())
         by_checkpoint = cache_owners.describe(path, cache)
         text = f"{len(list(cache.entries()))} entries, {size} in {path}"
         return f"{text}\n{by_checkpoint}" if by_checkpoint else text

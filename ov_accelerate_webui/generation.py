@@ -22,7 +22,7 @@ from typing import Any
 
 from .accelerator import Accelerator, PreparedRun
 from .attention import FusedAttention
-from .backend_bridge import backend_module
+from .backend_bridge import ov_backend
 from .finite_guard import F32Switch
 from .lora import LoraChange, changes_line
 from .session import RoutingSession
@@ -186,7 +186,7 @@ class Generation:
         logger.info("%s", record.status)
         if record.eager:
             logger.warning("Accelerate with OpenVINO: %s",
-                           backend_module("graph_runs").describe_eager(record.eager, record.calls))
+                           ov_backend.describe_eager(record.eager, record.calls))
         return record
 
 

@@ -42,7 +42,7 @@ from . import host
 from .compiled_route import CompiledRoute
 
 if TYPE_CHECKING:
-    from ov_backend.report import CompileReport
+    from ov_backend import CompileReport
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from ov_accelerate_sd.parts import PARTS
 
-from .backend_bridge import backend_module
+from .backend_bridge import ov_backend
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ PRECISIONS: tuple[str, ...] = (PRECISION_AUTO, PRECISION_F32, PRECISION_INT8)
 
 #: Part name (``ov_accelerate_sd.parts.PARTS``, in that order) -> short name used in the infotext and the status.
 PART_LABELS: dict[str, str] = dict(zip(PARTS, ("UNet", "VAE", "TE"), strict=True))
-#: Precision label -> its name in ov_backend's precision table (``ov_backend.precision.PRECISIONS``), which
+#: Precision label -> its name in ov_backend's precision table (``ov_backend.PRECISIONS``), which
 #: is also how the infotext writes it and what :func:`build_settings` accepts besides the label. The
 #: backend maps the name to the plugin's properties.
 PRECISION_NAMES: dict[str, str] = {PRECISION_AUTO: "auto", PRECISION_F32: "f32", PRECISION_INT8: "int8"}
@@ -217,7 +217,7 @@ def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None
     Args:
         values: field name -> value. A device may be given as a panel label ("GPU.0: Intel ...").
         device_names: the devices OpenVINO sees (from the loaded backend); the device is checked
-            against them by ov_backend's device rule (``ov_backend.devices.check_device``). None
+            against them by ov_backend's device rule (``ov_backend.check_device``). None
             skips the device check.
 
     Raises:
@@ -232,7 +232,7 @@ def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None
             merged[f.name] = _check_bool(f.name, merged[f.name])
     device = device_from_label(str(merged["device"] or DEFAULTS.device))
     if device_names is not None:
-        device = backend_module("devices").check_device(device, device_names)
+        device = ov_backend.check_device(device, device_names)
     merged["device"] = device
     by_name = {name: value for value, name in PRECISION_NAMES.items()}
     precision = by_name.get(merged["precision"], merged["precision"])

@@ -7,12 +7,12 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .backend_bridge import backend_module
+from .backend_bridge import ov_backend
 from .finite_guard import F32Switch
 from .settings import AccelerateSettings
 
 if TYPE_CHECKING:
-    from ov_backend.report import CompileReport
+    from ov_backend import CompileReport
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def run_status(
     if switches:
         lines.append("Model switches during the generation: " + "; ".join(switches) + ".")
     if eager:
-        lines.append(backend_module("graph_runs").describe_eager(eager, routed))
+        lines.append(ov_backend.describe_eager(eager, routed))
     for label, (count, why) in (pytorch or {}).items():
         lines.append(f"Ran in PyTorch, not OpenVINO: {label} ({_calls(count)}): {why}.")
     lines.extend(f32_lines(f32 or {}))

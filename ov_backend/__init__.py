@@ -1,39 +1,81 @@
 """ov_backend: a torch.compile backend on OpenVINO.
 
-``import ov_backend`` registers the backend name, so that
-``torch.compile(model, backend="ov_backend", options={"device": "CPU"})`` works; the
-``torch_dynamo_backends`` entry point does the same for an installed package without the
-import. ``torch.compile(model, backend=OVBackend(settings))`` keeps the compiled models,
-reports and counters in an object its owner can inspect and reset.
+``import ov_backend`` makes the name usable, so that
+``torch.compile(model, backend="ov_backend", options={"device": "CPU"})`` works: an installed package
+is found by dynamo through its ``torch_dynamo_backends`` entry point, and a copy on ``sys.path`` (e.g. in
+a WebUI extension's folder) registers the name when imported. ``torch.compile(model,
+backend=OVBackend(settings))`` keeps the compiled models, reports and counters in an object its owner can
+inspect and reset.
 
-The names below are loaded on first use (PEP 562). ``python -m ov_backend`` imports this
-package before its ``__main__``: then (``sys.argv[0]`` is ``"-m"`` while Python locates the
-module) nothing is imported here, so ``--help`` and argument errors answer without loading
-torch or OpenVINO; the command line loads them when a command needs them.
+The public API is the names in ``__all__``; everything else is internal. They are loaded on first use
+(PEP 562). ``python -m ov_backend`` imports this package before its ``__main__``: then (``sys.argv[0]``
+is ``"-m"`` while Python locates the module) the name is not registered, so ``--help`` and argument
+errors answer without loading torch or OpenVINO; the command line loads them when a command needs them.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+#: public name -> the module that defines it
 _EXPORTS = {
+    # the backend
     "BACKEND_NAME": "ov_backend.backend",
     "OVBackend": "ov_backend.backend",
     "ov_backend": "ov_backend.backend",
-    "CacheEntry": "ov_backend.cache",
-    "ModelCache": "ov_backend.cache",
     "OpenVINOFallbackError": "ov_backend.compiled",
-    "DeviceInfo": "ov_backend.devices",
-    "device_info": "ov_backend.devices",
-    "list_devices": "ov_backend.devices",
-    "CompileReport": "ov_backend.report",
-    "PartitionReport": "ov_backend.report",
+    # its settings
     "BackendSettings": "ov_backend.settings",
     "build_settings": "ov_backend.settings",
+    "default_cache_dir": "ov_backend.settings",
+    "DEFAULT_PRECISION": "ov_backend.precision",
+    "PRECISIONS": "ov_backend.precision",
+    "QUANTIZED_PRECISIONS": "ov_backend.precision",
+    # devices
+    "DeviceInfo": "ov_backend.devices",
+    "check_device": "ov_backend.devices",
+    "device_info": "ov_backend.devices",
+    "list_devices": "ov_backend.devices",
+    # the disk cache and its files
+    "CacheEntry": "ov_backend.cache",
+    "ModelCache": "ov_backend.cache",
+    "atomic_path": "ov_backend.files",
+    "format_bytes": "ov_backend.files",
+    # what ran: reports, graph runs, calls that ran in PyTorch
+    "CompileReport": "ov_backend.report",
+    "PartitionReport": "ov_backend.report",
+    "EagerCalls": "ov_backend.graph_runs",
+    "GraphCollector": "ov_backend.graph_runs",
+    "GraphRunCounter": "ov_backend.graph_runs",
+    "describe_eager": "ov_backend.graph_runs",
+    "why_eager": "ov_backend.graph_runs",
+    # routing a module's method: compiled, its captures saved, its sizes symbolic
+    "CompiledMethod": "ov_backend.compiled_method",
+    "SavedCaptures": "ov_backend.saved_captures",
+    "mark_varying": "ov_backend.portable",
+    "sizes_may_be_one": "ov_backend.portable",
 }
-__all__ = sorted(_EXPORTS, key=str.lower)
+__all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "CacheEntry", "check_device",
+    "CompiledMethod", "CompileReport", "default_cache_dir", "DEFAULT_PRECISION", "describe_eager",
+    "device_info", "DeviceInfo", "EagerCalls", "format_bytes", "GraphCollector", "GraphRunCounter",
+    "list_devices", "mark_varying", "ModelCache", "OpenVINOFallbackError", "ov_backend", "OVBackend",
+    "PartitionReport", "PRECISIONS", "QUANTIZED_PRECISIONS", "SavedCaptures", "sizes_may_be_one", "why_eager"]
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from ov_backend.backend import BACKEND_NAME, OVBackend, ov_backend
+    from ov_backend.cache import CacheEntry, ModelCache
+    from ov_backend.compiled import OpenVINOFallbackError
+    from ov_backend.compiled_method import CompiledMethod
+    from ov_backend.devices import DeviceInfo, check_device, device_info, list_devices
+    from ov_backend.files import atomic_path, format_bytes
+    from ov_backend.graph_runs import EagerCalls, GraphCollector, GraphRunCounter, describe_eager, why_eager
+    from ov_backend.portable import mark_varying, sizes_may_be_one
+    from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS, QUANTIZED_PRECISIONS
+    from ov_backend.report import CompileReport, PartitionReport
+    from ov_backend.saved_captures import SavedCaptures
+    from ov_backend.settings import BackendSettings, build_settings, default_cache_dir
 
 
 def __getattr__(name: str) -> Any:
@@ -48,25 +90,24 @@ def __dir__() -> list[str]:
 
 
 def _register_name() -> None:
-    """Register the backend name with dynamo, without loading dynamo's other backends.
+    """Make the name ``"ov_backend"`` usable in ``torch.compile`` through torch's public registry.
 
-    ``list_backends()`` imports every backend module dynamo ships (about a second) to answer;
-    the registry's own dict answers at once. A name already there was registered before, or
-    found through this package's ``torch_dynamo_backends`` entry point (dynamo loads that entry
-    point by importing this package, and registers it itself).
+    An installed package is found through its entry point: dynamo loads it, by importing this package,
+    when the name is first looked up, and registers it itself (registering here too would clash). A copy
+    without the entry point registers the name now. Registration needs dynamo's registry only, not its
+    other backends.
     """
-    from torch._dynamo.backends import registry
+    from importlib.metadata import entry_points
+
+    from torch._dynamo import register_backend
 
     from ov_backend.backend import BACKEND_NAME, ov_backend
 
-    known = getattr(registry, "_BACKENDS", None)
-    if known is None:  # a torch without the private dict: the public check, which loads every backend
-        known = registry.list_backends(exclude_tags=())
-    if BACKEND_NAME in known:
+    if any(point.name == BACKEND_NAME for point in entry_points(group="torch_dynamo_backends")):
         return
     try:
-        registry.register_backend(name=BACKEND_NAME)(ov_backend)
-    except AssertionError as err:  # dynamo's "duplicate name": registered by another thread meanwhile
+        register_backend(compiler_fn=ov_backend, name=BACKEND_NAME)
+    except AssertionError as err:  # dynamo's "duplicate name": registered before (or by another thread)
         if "duplicate" not in str(err):
             raise
 

@@ -34,3 +34,21 @@ def test_backend_knows_only_torch_and_openvino():
 def test_sd_layer_knows_no_webui():
     for path, names in _imports("ov_accelerate_sd").items():
         assert not names & HOST, path
+
+
+def test_the_webui_adapter_uses_only_the_backends_public_api():
+    """The adapter reaches the backend through ``ov_backend``'s public names (``backend_bridge.ov_backend``),
+    never by a module path in a string, nor by a submodule."""
+    import re
+
+    import ov_backend
+
+    assert set(ov_backend.__all__) == set(ov_backend._EXPORTS)
+    used: set[str] = set()
+    for path in sorted((ROOT / "ov_accelerate_webui").glob("*.py")):
+        source = path.read_text()
+        assert not re.search(r"""import_module\(\s*f?["']ov_backend""", source), path.name
+        assert not re.search(r"^\s*(from|import) ov_backend\.", source, re.M), path.name
+        used |= set(re.findall(r"\bov_backend\.(\w+)", source))
+    assert used, "the adapter uses no backend name: the check reads nothing"
+    assert used <= set(ov_backend.__all__), used - set(ov_backend.__all__)

@@ -50,3 +50,30 @@ def test_name_found_through_the_entry_point_before_any_import():
     )
     assert found["same"] is True
     assert found["diff"] < 1e-5
+
+
+def test_a_copy_without_the_entry_point_registers_the_name_on_import():
+    """A copy on ``sys.path`` (e.g. in a WebUI extension's folder) has no installed entry point: importing
+    it registers the name itself, through torch's public registry, without loading dynamo's other
+    backends."""
+    found = _fresh(
+        "import importlib.metadata, json, sys\n"
+        "plain = importlib.metadata.entry_points\n"
+        "def without_ours(**kwargs):\n"
+        "    found = plain(**kwargs)\n"
+        "    if kwargs.get('group') != 'torch_dynamo_backends':\n"
+        "        return found\n"
+        "    return [p for p in found if p.name != 'ov_backend']\n"
+        "importlib.metadata.entry_points = without_ours\n"
+        "import ov_backend\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('torch._dynamo.backends'))\n"
+        "import torch._dynamo\n"
+        "from torch._dynamo.backends.registry import _COMPILER_FNS\n"
+        "registered = 'ov_backend' in _COMPILER_FNS\n"
+        "from ov_backend.backend import ov_backend as fn\n"
+        "print(json.dumps({'loaded': loaded, 'registered': registered,\n"
+        "                  'same': torch._dynamo.lookup_backend('ov_backend') is fn}))\n"
+    )
+    assert found["registered"] is True
+    assert [m for m in found["loaded"] if m not in _REGISTRY_MODULES] == []
+    assert found["same"] is True

@@ -362,16 +362,18 @@ def test_cache_list_gives_sizes_in_binary_units(tmp_path: Path, capsys) -> None:
 def test_generate_reports_calls_dynamo_ran_in_pytorch(tmp_path: Path, sd1_checkpoint: Path, capsys,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A part that cannot be captured ahead of time (e.g. a graph break) runs through torch.compile, whose
-    recompile limit applies: at 1, the UNet's second prompt length (a 154-token context) runs uncompiled,
-    and the run says so, as the WebUI's status does."""
+    recompile limit applies: at 1, with no size marked as varying (here none is), the UNet's second prompt
+    length (a 154-token context) runs uncompiled, and the run says so, as the WebUI's status does."""
     import torch
 
+    from ov_accelerate_sd import accelerate, parts
     from ov_backend import portable
 
     def cannot(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a graph break (stand-in)")
 
     monkeypatch.setattr(portable, "capture", cannot)
+    monkeypatch.setattr(accelerate, "VARYING_DIMS", {})  # (marked, the prompt length would not recompile)
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\n" + "word " * 90 + "\n", encoding="utf-8")
@@ -389,6 +391,12 @@ def test_generate_reports_calls_dynamo_ran_in_pytorch(tmp_path: Path, sd1_checkp
              "--pytorch", "text_encoder"]
     with torch._dynamo.config.patch(recompile_limit=1):
         assert main(again) == 0  # one prompt length: every call compiled, nothing to report
+    assert "Not accelerated" not in capsys.readouterr().err
+    torch._dynamo.reset()
+    monkeypatch.setattr(accelerate, "VARYING_DIMS", parts.VARYING_DIMS)
+    marked = [*argv[:-5], str(tmp_path / "marked"), *argv[-4:]]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert main(marked) == 0  # the prompt length marked as varying: one graph serves both lengths
     assert "Not accelerated" not in capsys.readouterr().err
 
 

@@ -1,0 +1,88 @@
+"""A module's method run through a backend: what every entry point (the command line, the WebUI) does to
+route one method of a model through OpenVINO.
+
+:class:`CompiledMethod` holds, for one bound method (e.g. a UNet's ``forward``):
+
+- ``torch.compile`` of the method over the backend, its graphs collected (:class:`GraphCollector`) so that
+  their compiled models can be released when the method's owner stops using them;
+- dynamo's capture of the method saved in the disk cache (:class:`SavedCaptures`), so a later process
+  skips the tracing;
+- the sizes that vary between calls (tensor rank -> dimensions) marked dynamic on a call with a new kind
+  of input, a size of 1 included (:func:`portable.sizes_may_be_one`);
+- the check that a call ran a compiled graph: dynamo falls back to plain PyTorch without raising (its
+  recompile limit), and :meth:`CompiledMethod.call` says so, with :meth:`why_eager` saying why.
+
+What is the caller's own (which methods to route, what to do with a call run in PyTorch, a precision
+rescue, LoRA) stays with the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from types import CodeType
+from typing import Any
+
+import torch
+
+from ov_backend import portable
+from ov_backend.graph_runs import UNTIL_RESET, GraphCollector, GraphRunCounter, why_eager
+from ov_backend.saved_captures import SavedCaptures
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledMethod:
+    """One method of a module compiled through ``counter``'s backend.
+
+    Args:
+        source: the bound method as it was before being replaced (what is compiled and captured).
+        counter: the backend, counting the compiled graphs that run.
+        varying: tensor rank -> the dimensions that vary between calls (marked dynamic).
+        attribute: the name the module's method is replaced under (set aside while capturing).
+        code: the code object dynamo keeps the method's compiled variants on (default: the source's).
+    """
+
+    def __init__(self, source: Callable[..., Any], counter: GraphRunCounter,
+                 varying: Mapping[int, tuple[int, ...]], attribute: str = "forward",
+                 code: CodeType | None = None) -> None:
+        self.source = source
+        self.counter = counter
+        self.varying = varying
+        self.attribute = attribute
+        self.graphs = GraphCollector(counter)
+        self.compiled = torch.compile(source, backend=self.graphs)
+        self.captures = SavedCaptures.of(source, attribute, self.graphs, counter.backend, varying)
+        self.code = code if code is not None else getattr(getattr(source, "__func__", source), "__code__", None)
+
+    @property
+    def backend(self) -> Any:
+        """The backend the method's graphs compile through (an ``OVBackend``)."""
+        return self.counter.backend
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], new_input: bool = True) -> tuple[Any, bool]:
+        """Run one call: (its result, whether dynamo ran it in plain PyTorch, without a compiled graph).
+
+        ``new_input``: the call's kind of input was not seen before (its varying sizes are marked dynamic
+        for torch.compile; a saved capture takes the arguments unmarked, as its guards ask)."""
+
+        def through_torch_compile(*args: Any, **kwargs: Any) -> Any:
+            if new_input:
+                for value in (*args, *kwargs.values()):
+                    if isinstance(value, torch.Tensor):
+                        portable.mark_varying(value, self.varying)
+            with portable.sizes_may_be_one():
+                return self.compiled(*args, **kwargs)
+
+        before = self.counter.graphs_run()
+        result = self.captures.call(args, kwargs, through_torch_compile)
+        return result, self.counter.graphs_run() == before
+
+    def why_eager(self, until: str = UNTIL_RESET) -> str:
+        """Why dynamo ran a call of this method in plain PyTorch (``until``: how long that lasts)."""
+        return why_eager(self.code, until)
+
+    def release(self) -> int:
+        """Release the compiled models of this method's graphs (the next call compiles them again from the
+        converted models); returns how many were released."""
+        return self.graphs.release()
