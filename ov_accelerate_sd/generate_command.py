@@ -226,6 +226,7 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
     from .checkpoint import CheckpointError, file_hash
     from .demo import demo_checkpoint
     from .loader import load_components
+    from .openvino_entry import ENTRY_KEY, format_entry
     from .pipeline import Generator, Interrupted
     from .pnginfo import save_png
 
@@ -241,11 +242,9 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
     if settings.accelerate:
         accelerator.apply()
     parts = "+".join(settings.accelerate) or "none"
-    generator = Generator(components, Path(checkpoint).stem, file_hash(checkpoint), {
-        "OpenVINO device": settings.device if settings.accelerate else None,
-        "OpenVINO precision": settings.precision if settings.accelerate else None,
-        "OpenVINO parts": parts,
-    })
+    # the WebUI's own entry, so the image pastes back into its panel (no entry: made in PyTorch)
+    entry = format_entry(settings.device, settings.accelerate, settings.precision) if settings.accelerate else None
+    generator = Generator(components, Path(checkpoint).stem, file_hash(checkpoint), {ENTRY_KEY: entry})
     load_seconds = time.perf_counter() - started
     _out(f"loaded {checkpoint} ({components.family}) in {load_seconds:.1f}s; OpenVINO on "
          f"{settings.device} for: {parts}")

@@ -23,14 +23,16 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ov_accelerate_sd.openvino_entry import ENTRY_KEY as OPENVINO_KEY
+
 from .settings import INFOTEXT_ITEMS, INFOTEXT_NOTE_SEPARATOR, AccelerateSettings, parse_infotext
 
 logger = logging.getLogger(__name__)
 
 TITLE = "Accelerate with OpenVINO"
 """The script's title: its name in the Script dropdown and the value of :data:`SCRIPT_KEY`."""
-ENTRY_KEY = "OpenVINO"
-"""The infotext key of the settings entry."""
+ENTRY_KEY = OPENVINO_KEY
+"""The infotext key of the settings entry (the command line writes it too)."""
 SCRIPT_KEY = "Script"
 """A1111's infotext key that selects the Script dropdown on paste."""
 SECTION_PASTE_KEY = "OpenVINO section"

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ov_accelerate_sd.openvino_entry import NO_PARTS, NOTE_SEPARATOR, PART_NAMES, SLOTS, format_entry
 from ov_accelerate_sd.parts import PARTS
 
 from .backend_bridge import ov_backend
@@ -27,7 +28,7 @@ PRECISION_INT8 = "INT8 UNet (calibrated on your first generation; needs NNCF)"
 PRECISIONS: tuple[str, ...] = (PRECISION_AUTO, PRECISION_F32, PRECISION_INT8)
 
 #: Part name (``ov_accelerate_sd.parts.PARTS``, in that order) -> short name used in the infotext and the status.
-PART_LABELS: dict[str, str] = dict(zip(PARTS, ("UNet", "VAE", "TE"), strict=True))
+PART_LABELS: dict[str, str] = PART_NAMES
 #: Precision label -> its name in ov_backend's precision table (``ov_backend.PRECISIONS``), which
 #: is also how the infotext writes it and what :func:`build_settings` accepts besides the label. The
 #: backend maps the name to the plugin's properties.
@@ -142,24 +143,15 @@ INFOTEXT_ITEMS: tuple[InfotextItem, ...] = (
     *(InfotextItem(part, PART_LABELS[part], 1) for part in PARTS),
     InfotextItem("precision", "precision", 2, PRECISION_NAMES),
 )
-INFOTEXT_SLOTS = 3
-#: Slot 1 when no part is on.
-NO_PARTS = "none"
+INFOTEXT_SLOTS = SLOTS
 #: Separates the entry from a note the run added (e.g. "CPU, UNet+VAE+TE, auto; refiner in PyTorch").
-INFOTEXT_NOTE_SEPARATOR = "; "
+INFOTEXT_NOTE_SEPARATOR = NOTE_SEPARATOR
 
 
 def format_infotext(settings: AccelerateSettings) -> str:
-    """The value of the "OpenVINO" infotext entry, written from :data:`INFOTEXT_ITEMS`."""
-    slots: list[list[str]] = [[] for _ in range(INFOTEXT_SLOTS)]
-    for item in INFOTEXT_ITEMS:
-        value = getattr(settings, item.field)
-        if isinstance(value, bool):
-            if value:
-                slots[item.slot].append(item.name)
-        else:
-            slots[item.slot].append(item.spellings[value] if item.spellings is not None else str(value))
-    return ", ".join("+".join(words) or NO_PARTS for words in slots)
+    """The value of the "OpenVINO" infotext entry (``ov_accelerate_sd.openvino_entry``, the command line's
+    too), e.g. "CPU, UNet+VAE+TE, f32"."""
+    return format_entry(settings.device, settings.parts, PRECISION_NAMES[settings.precision])
 
 
 def parse_infotext(text: str) -> tuple[dict[str, Any], list[str]]:

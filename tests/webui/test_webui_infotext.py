@@ -210,3 +210,22 @@ def test_send_to_img2img_carries_the_panel_over(fake_host: Any, extension: Exten
     ours = [(i.elem_id, o.elem_id) for i, o in zip(inputs, outputs) if i.elem_id.startswith("script_")]
     assert ours == [(txt_script.elem_id(item.field), img_script.elem_id(item.field)) for item in INFOTEXT_ITEMS]
     assert len(inputs) == len(outputs)
+
+
+def test_an_image_of_the_command_line_pastes_into_the_panel(fake_host: Any, extension: Extension) -> None:
+    """The command line writes the same "OpenVINO" entry (``ov_accelerate_sd.openvino_entry``): its image,
+    pasted, selects the script and sets the panel to what made it."""
+    from ov_accelerate_sd.openvino_entry import ENTRY_KEY as CLI_KEY
+    from ov_accelerate_sd.openvino_entry import format_entry
+    from ov_accelerate_sd.pnginfo import format_infotext
+
+    infotext = format_infotext("a tiny cat", "blurry", {
+        "Steps": 2, "Sampler": "Euler a", "Seed": 3, "Size": "64x64",
+        CLI_KEY: format_entry("CPU", ("text_encoder", "unet"), "f32"),
+    })
+    assert 'OpenVINO: "CPU, UNet+TE, f32"' in infotext
+    _runner, script, _demo = build_tab(extension)
+    pasted = paste("txt2img", infotext)
+    assert pasted["script_list"] == TITLE
+    assert [pasted[script.elem_id(f)] for f in ("unet", "vae", "text_encoder", "precision")] == [
+        True, False, True, PRECISION_F32]
