@@ -155,7 +155,7 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
     if config.batch < 2:
         raise ValueError(f"batch must be at least 2, got {config.batch}")
     if not testbed_ready(Path(config.testbed)):
-        raise ValueError(f"no WebUI test bed in {config.testbed}: build it (a1111/build-testbed.sh) or set A1111_ROOT")
+        raise ValueError(f"no WebUI test bed in {config.testbed}: build it (bash .ci/testbed) or set A1111_ROOT")
     return config
 
 

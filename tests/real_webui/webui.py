@@ -1,7 +1,7 @@
 """Drives a real AUTOMATIC1111 WebUI v1.10.1 from the test bed: install the extension as a user does,
 start and stop the WebUI, call its HTTP API, compare pictures.
 
-The test bed is built by ``../shared/a1111/build-testbed.sh`` (``.ci/testbed`` calls it) into
+The test bed is built by ``.ci/build_testbed.py`` (``.ci/testbed`` runs it) into
 ``$A1111_ROOT`` (default ``build/a1111-testbed`` in the checkout). Each test session gets its own WebUI
 data folder (``--data-dir``: models, extensions, config, outputs), so the shared test bed is never
 changed.

@@ -113,7 +113,7 @@ sys.stdout.write("\\n@@RESULT@@" + json.dumps(out))
 def test_the_webui_reads_what_we_write() -> None:
     found = _webui_test_bed()
     if found is None:
-        pytest.skip("no WebUI test bed (set A1111_ROOT to a folder with venv/ and webui/ from a1111/build-testbed.sh)")
+        pytest.skip("no WebUI test bed (set A1111_ROOT to a folder with venv/ and webui/ from .ci/testbed)")
     python, root = found
     texts = [format_infotext(*case) for case in WRITTEN]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}

@@ -174,7 +174,7 @@ ORACLE_PROMPTS = [
 def find_webui_test_bed() -> tuple[Path, Path] | None:
     """(Python of the test bed's venv, the WebUI's prompt_parser.py), or None if absent.
 
-    The test bed is the real WebUI built by ``a1111/build-testbed.sh``; ``A1111_ROOT`` names
+    The test bed is the real WebUI built by ``.ci/testbed``; ``A1111_ROOT`` names
     its folder (default ``/work/tb/a1111``).
     """
     root = Path(os.environ.get("A1111_ROOT") or "/work/tb/a1111")
@@ -216,7 +216,7 @@ def _random_prompts(count: int, seed: int) -> list[str]:
 def test_parser_agrees_with_the_webui_exactly() -> None:
     found = find_webui_test_bed()
     if found is None:
-        pytest.skip("no WebUI test bed (set A1111_ROOT to a folder with venv/ and webui/ from a1111/build-testbed.sh)")
+        pytest.skip("no WebUI test bed (set A1111_ROOT to a folder with venv/ and webui/ from .ci/testbed)")
     python, parser = found
     prompts = ORACLE_PROMPTS + _random_prompts(500, seed=11)
     run = subprocess.run(

@@ -3,7 +3,8 @@
 The panel is served by gradio 3.41.2 on localhost with the WebUI's page helpers (``gradioApp``,
 ``onUiLoaded``, ``onUiUpdate``, ``titles``) injected the way A1111 injects its scripts. Installed by
 ``.ci/browser-setup``; skipped with the reason when chromium, chromedriver or selenium is absent.
-Set ``OV_WEBUI_SCREENSHOT=docs/panel.png`` to save a screenshot of the panel.
+Set ``OV_WEBUI_SCREENSHOT=<file>`` to save a screenshot of the fake host's panel (the docs' pictures come
+from the real WebUI: ``tests/real_webui/test_real_webui_browser.py``).
 """
 
 from __future__ import annotations
