@@ -31,11 +31,6 @@ from .status import run_status
 
 logger = logging.getLogger(__name__)
 
-#: The counters of a run that the status route reports (summed over a job's generations).
-STAT_KEYS = ("ov_calls", "eager_calls", "cache_hits", "compile_seconds", "convert_seconds", "run_seconds", "released",
-             "released_stale", "kept_previous", "capture_seconds", "captures_made", "captures_saved",
-             "captures_loaded", "hash_seconds")
-
 
 def comment_on(p: Any, message: str) -> None:
     """Put ``message`` under the images of ``p``'s generation (A1111's ``p.comment``, where ``p`` has one)."""
@@ -210,7 +205,7 @@ def run_report(record: RunRecord) -> dict[str, Any]:
         "generations": 1,
         "plain_generations": 0,
         "runs": [record.summary()],
-        **{key: record.stats.get(key, 0) for key in STAT_KEYS if key != "hash_seconds"},
+        **ov_backend.Stats.from_mapping(record.stats).report_json(),
     }
 
 

@@ -64,33 +64,7 @@ def run_status(
     for label, (count, why) in (pytorch or {}).items():
         lines.append(f"Ran in PyTorch, not OpenVINO: {label} ({_calls(count)}): {why}.")
     lines.extend(f32_lines(f32 or {}))
-    hashed = stats.get("hash_seconds", 0.0)
-    lines.append(
-        f"Compile {stats.get('compile_seconds', 0.0):.1f} s"
-        + (f" ({hashed:.1f} s of it fingerprinting new weights)" if hashed >= 0.05 else "")
-        + f", run {stats.get('run_seconds', 0.0):.1f} s; "
-        f"{int(stats.get('ov_calls', 0))} OpenVINO calls, {int(stats.get('eager_calls', 0))} PyTorch "
-        f"calls; cache hits {int(stats.get('cache_hits', 0))}."
-    )
-    lines.extend(capture_lines(stats))
-    released = int(stats.get("released", 0))
-    if released:
-        lines.append(
-            f"Released {released} compiled model(s) no call of this generation used (other sizes, weights or "
-            "precisions), to keep memory down (using one again compiles it again)."
-        )
-    stale = int(stats.get("released_stale", 0))
-    if stale:
-        lines.append(
-            f"Of them, {stale} belonged to parts not called since their weights changed (e.g. a long prompt's "
-            "UNet after a LoRA or checkpoint change): the setting for the weights used before says not to keep them."
-        )
-    kept = int(stats.get("kept_previous", 0))
-    if kept:
-        lines.append(
-            f"Kept {kept} compiled model(s) of the weights used before (the previous checkpoint, or the model "
-            "before a LoRA change) while memory allows: going back to them compiles nothing."
-        )
+    lines.extend(ov_backend.Stats.from_mapping(stats).text_lines())
     fallbacks: dict[str, str] = {}
     for report in reports:
         fallbacks.update(report.fallback_ops)
@@ -111,17 +85,7 @@ def run_status(
 def capture_lines(stats: Mapping[str, float]) -> list[str]:
     """What PyTorch's graph capture (dynamo tracing the model's Python code) cost in the run, when it was
     measured: captured now and saved for the next start, or loaded from the disk cache."""
-    made, loaded = int(stats.get("captures_made", 0)), int(stats.get("captures_loaded", 0))
-    if not made and not loaded:
-        return []
-    what = []
-    if made:
-        saved = int(stats.get("captures_saved", 0))
-        what.append(f"{made} captured (dynamo tracing the model's code), "
-                    + ("all" if saved == made else f"{saved} of them") + " saved for the next start")
-    if loaded:
-        what.append(f"{loaded} loaded from the disk cache instead of tracing again")
-    return [f"Graph capture {stats.get('capture_seconds', 0.0):.1f} s: " + "; ".join(what) + "."]
+    return ov_backend.Stats.from_mapping(stats).capture_lines()
 
 
 def f32_lines(f32: Mapping[str, tuple[F32Switch, bool]]) -> list[str]:

@@ -25,7 +25,7 @@ _EXPORTS = {
     "BACKEND_NAME": "ov_backend.backend",
     "OVBackend": "ov_backend.backend",
     "ov_backend": "ov_backend.backend",
-    "OpenVINOFallbackError": "ov_backend.compiled",
+    "OpenVINOFallbackError": "ov_backend.context",
     # its settings
     "BackendSettings": "ov_backend.settings",
     "build_settings": "ov_backend.settings",
@@ -46,6 +46,7 @@ _EXPORTS = {
     # what ran: reports, graph runs, calls that ran in PyTorch
     "CompileReport": "ov_backend.report",
     "PartitionReport": "ov_backend.report",
+    "Stats": "ov_backend.report",
     "EagerCalls": "ov_backend.graph_runs",
     "GraphCollector": "ov_backend.graph_runs",
     "GraphRunCounter": "ov_backend.graph_runs",
@@ -61,19 +62,20 @@ __all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "
     "CompiledMethod", "CompileReport", "default_cache_dir", "DEFAULT_PRECISION", "describe_eager",
     "device_info", "DeviceInfo", "EagerCalls", "format_bytes", "GraphCollector", "GraphRunCounter",
     "list_devices", "mark_varying", "ModelCache", "OpenVINOFallbackError", "ov_backend", "OVBackend",
-    "PartitionReport", "PRECISIONS", "QUANTIZED_PRECISIONS", "SavedCaptures", "sizes_may_be_one", "why_eager"]
+    "PartitionReport", "PRECISIONS", "QUANTIZED_PRECISIONS", "SavedCaptures", "sizes_may_be_one", "Stats",
+    "why_eager"]
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.backend import BACKEND_NAME, OVBackend, ov_backend
     from ov_backend.cache import CacheEntry, ModelCache
-    from ov_backend.compiled import OpenVINOFallbackError
     from ov_backend.compiled_method import CompiledMethod
+    from ov_backend.context import OpenVINOFallbackError
     from ov_backend.devices import DeviceInfo, check_device, device_info, list_devices
     from ov_backend.files import atomic_path, format_bytes
     from ov_backend.graph_runs import EagerCalls, GraphCollector, GraphRunCounter, describe_eager, why_eager
     from ov_backend.portable import mark_varying, sizes_may_be_one
     from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS, QUANTIZED_PRECISIONS
-    from ov_backend.report import CompileReport, PartitionReport
+    from ov_backend.report import CompileReport, PartitionReport, Stats
     from ov_backend.saved_captures import SavedCaptures
     from ov_backend.settings import BackendSettings, build_settings, default_cache_dir
 

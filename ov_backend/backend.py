@@ -26,7 +26,7 @@ from ov_backend.inputs import GraphFacts, InputKind, classify_inputs
 from ov_backend.ops import decomposition_table
 from ov_backend.portable import PortableGraph
 from ov_backend.precision import PRECISION_CONFIG
-from ov_backend.report import CompileReport, Stats
+from ov_backend.report import CompileReport, StatsCounter
 from ov_backend.settings import PREVIOUS_WEIGHTS, BackendSettings, build_settings
 from ov_backend.variants import SharedModels, UseWindow
 from ov_backend.weights import DigestMemo
@@ -63,7 +63,7 @@ class OVBackend:
         else:
             self.core = ov.Core()
             self.cache = ModelCache(self.settings.cache_dir)
-            self.stats_counter = Stats()
+            self.stats_counter = StatsCounter()
             self.versions = {"openvino": ov.get_version(), "torch": torch.__version__,
                              "ov_backend": _version("sd-webui-openvino-accelerate")}
             #: per-tensor weight digests, shared by every graph of this backend: each weight is hashed
@@ -142,10 +142,11 @@ class OVBackend:
 
         ``model`` is a converted model, or the ``model.xml`` of a cache entry. With caching on,
         OpenVINO keeps the compiled blob (its CACHE_DIR) for a cache entry's file, which it finds
-        again by path: a second process imports the blob instead of compiling (a full UNet on
-        the CPU: about 1 s instead of 6 s). An in-memory model gets OpenVINO's blob cache only on
-        devices other than the CPU, where compiling costs minutes: OpenVINO hashes the whole
-        model (gigabytes) to find its blob, which costs more than the CPU's compile.
+        again by path: a second process imports the blob instead of compiling, several times
+        faster for a full UNet on the CPU (``docs/backend-builds.md``). An in-memory model gets
+        OpenVINO's blob cache only on devices other than the CPU, where compiling costs minutes:
+        OpenVINO hashes the whole model (gigabytes) to find its blob, which costs more than the
+        CPU's compile.
         """
         config = self.settings.config_dict
         from_file = isinstance(model, Path)
@@ -219,11 +220,12 @@ class OVBackend:
             return list(self._reports)
 
     def stats(self) -> dict[str, float]:
-        """Counters (see :class:`ov_backend.report.Stats`): compile_seconds (with trace_seconds,
-        convert_seconds, ov_compile_seconds, quantize_seconds, hash_seconds), run_seconds, ov_calls,
-        eager_calls, cache_hits, cache_misses, compiles, released (compiled models released, see
-        start_window), kept_previous (models of the previous weights a release kept)."""
-        return self.stats_counter.snapshot()
+        """The counters by name (the fields of :class:`ov_backend.report.Stats`): compile_seconds (with
+        trace_seconds, convert_seconds, ov_compile_seconds, quantize_seconds, hash_seconds), run_seconds,
+        ov_calls, eager_calls, cache_hits, cache_misses, compiles, released (compiled models released, see
+        start_window), kept_previous (models of the previous weights a release kept), captures.
+        ``stats_counter.snapshot()`` gives them as a :class:`~ov_backend.report.Stats`."""
+        return self.stats_counter.snapshot().as_dict()
 
     def reset(self) -> None:
         """Drop compiled graphs, reports, counters and weight digests.

@@ -10,7 +10,7 @@ An entry is written into a temporary folder and renamed into place, and ``meta.j
 the size and a checksum of every file) is written last, so a process killed mid-write leaves
 nothing that is trusted later. An entry whose files do not match its ``meta.json`` is
 reported, removed and rebuilt. Files up to 64 MiB are checksummed whole; larger ones (a full
-UNet's weights are 3.4 GB) by their size and 64 blocks of 1 MiB spread over the file, which
+UNet's weights are gigabytes) by their size and 64 blocks of 1 MiB spread over the file, which
 catches truncation and overwritten regions without reading gigabytes at every start. The
 modification time of ``meta.json`` is the entry's last use; :meth:`ModelCache.prune` removes the
 least recently used entries first.

@@ -20,7 +20,6 @@ import torch
 
 from ov_backend.build import GraphBuilder
 from ov_backend.context import BuildContext
-from ov_backend.context import OpenVINOFallbackError as OpenVINOFallbackError  # ov_backend/__init__ loads it from here
 from ov_backend.inputs import GraphFacts, GraphInputs, signature, signature_text
 from ov_backend.variants import ModelReleased, WeightSet, WeightVariants, keep_previous_weights
 

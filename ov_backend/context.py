@@ -20,7 +20,7 @@ from typing import Any
 import openvino as ov
 
 from ov_backend.cache import ModelCache
-from ov_backend.report import CompileReport, PartitionReport, Stats
+from ov_backend.report import CompileReport, PartitionReport, StatsCounter
 from ov_backend.settings import BackendSettings
 from ov_backend.variants import SharedModels, UseWindow
 from ov_backend.weights import DigestMemo
@@ -54,7 +54,7 @@ class BuildContext:
     settings: BackendSettings
     core: ov.Core
     cache: ModelCache
-    stats: Stats
+    stats: StatsCounter
     compile_model: Callable[[ov.Model | Path], ov.CompiledModel]
     add_report: Callable[[CompileReport], None]
     digests: DigestMemo

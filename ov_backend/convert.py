@@ -1,6 +1,6 @@
 """From an FX graph to OpenVINO models: tracing, partitioning and frontend conversion.
 
-Two routes, both through openvino's public PyTorch frontend:
+Two conversions, both through openvino's public PyTorch frontend:
 
 * static: the graph is traced to aten ops for one input signature with the weights as
   constants (:func:`trace_static`), split into OpenVINO-supported partitions
@@ -199,7 +199,7 @@ def _dynamic_decompositions(
     translates itself (its list: upsampling, scaled dot product attention, linear, ...); some of its
     translations need static sizes that core aten's decompositions avoid (``split`` along a dynamic
     dimension). A symbolic trace decomposes the same way, and also as ``decompositions`` (the static
-    route's) says. Kept composite ops are mapped to torch's marker for "do not decompose".
+    build's) says. Kept composite ops are mapped to torch's marker for "do not decompose".
 
     Raises:
         ImportError: this torch or openvino lacks what the trace relies on.
@@ -238,8 +238,8 @@ def trace_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dynami
 
     The trace runs on fake tensors with symbolic sizes, as torch.export's does, but straight to the ops
     the frontend converts (:func:`_dynamic_decompositions`). (torch.export, then the frontend's own
-    decomposition pass over the exported program, traced the full-size SD 1.5 UNet twice with symbolic
-    sizes: about 50 s, against 10 s for this one trace.) An example size of 1 stays symbolic (torch's
+    decomposition pass over the exported program, traced a full-size UNet twice with symbolic sizes,
+    several times longer than this one trace: ``docs/backend-builds.md``.) An example size of 1 stays symbolic (torch's
     size-oblivious reasoning, as within ``portable.sizes_may_be_one``): A1111 calls its text encoder at
     a batch of 1 first.
 
@@ -300,7 +300,7 @@ def convert_dynamic(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], dyna
             among the inputs become parameters (static shapes: give them no dynamic dimension).
         inputs: example tensors.
         dynamic_dims: for each input, the dimensions to keep dynamic.
-        decompositions: the static route's decomposition table (the one-trace conversion adds to it).
+        decompositions: the static build's decomposition table (the one-trace conversion adds to it).
         rewrite_names: the rewrites (:mod:`ov_backend.rewrites`) applied to the converted model.
 
     Raises:
@@ -348,8 +348,9 @@ def symbolic_min_max(gm: torch.fx.GraphModule) -> list[str]:
 
     OpenVINO's frontend has no rule for them, so such a graph cannot be converted with dynamic shapes:
     A1111's InvokeAI attention (its CPU default) slices its queries by ``max(tokens // div, 1)``. Found
-    up front, the full-size UNet goes the static route at once instead of after a failed export of
+    up front, the full-size UNet goes the static build at once instead of after a failed export of
     minutes. (Rewriting them into integer arithmetic the frontend takes does convert, but the full-size
-    UNet's step then ran 1.56x slower than the static route's in the real-WebUI benchmark.)
+    UNet's step then ran slower than the static build's in the real-WebUI benchmark:
+    ``docs/backend-builds.md``.)
     """
     return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.sym_max, torch.sym_min)]

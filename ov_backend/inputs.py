@@ -2,7 +2,7 @@
 
 Owns: telling weights, derived sizes and user inputs apart (:func:`classify_inputs`), the
 signature of a call's user inputs (:func:`signature`, :func:`signature_text`), and
-:class:`GraphInputs`, the facts about one graph's inputs and outputs that the build routes need:
+:class:`GraphInputs`, the facts about one graph's inputs and outputs that the builds need:
 which inputs are symbolic or Python numbers baked into each model, how to rebuild the graph's
 full argument list, and the graph as a function of its user tensors with the weights closed over.
 """
@@ -125,7 +125,7 @@ def output_dtype(node: Any) -> torch.dtype | None:
 
 @dataclass(frozen=True)
 class GraphFacts:
-    """What the build routes need to know of a graph's inputs and outputs beyond the graph itself: read
+    """What the builds need to know of a graph's inputs and outputs beyond the graph itself: read
     from dynamo's example values once, and kept with a saved capture (which holds no example values).
 
     Attributes:
@@ -171,11 +171,11 @@ class GraphFacts:
 
 
 class GraphInputs:
-    """One captured graph's inputs and outputs, as the build routes see them.
+    """One captured graph's inputs and outputs, as the builds see them.
 
     Args:
         gm: the captured graph.
-        facts: what the build routes need to know of its inputs and outputs (:meth:`GraphFacts.read`).
+        facts: what the builds need to know of its inputs and outputs (:meth:`GraphFacts.read`).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, facts: GraphFacts) -> None:

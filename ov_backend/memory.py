@@ -2,7 +2,7 @@
 
 The backend keeps compiled models of the weights used before (another checkpoint, a LoRA removed)
 only while memory is plentiful (``BackendSettings.previous_weights``): users run Stable Diffusion
-on 16 GB machines, where an extra compiled UNet (1.7 GB at bf16) can decide between a fast switch
+on machines where an extra compiled UNet (gigabytes: ``docs/backend.md``) can decide between a fast switch
 back and the out-of-memory killer. Read on Linux from ``/proc/meminfo`` and on Windows from
 ``GlobalMemoryStatusEx``; elsewhere unknown.
 """

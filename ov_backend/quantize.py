@@ -39,7 +39,8 @@ VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 NO_VNNI_ISA_CAPS = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})
 #: Op types kept at float on CPUs without VNNI. oneDNN's int8 matmuls are slower than its f32 ones there;
 #: and 8-bit inputs to the attention (NNCF quantizes its query and key) stop the CPU plugin fusing it into
-#: one kernel: its matmuls and softmax ran apart, 4.0 s of a 6.8 s UNet call against 1.7 s fused at f32.
+#: one kernel: its matmuls and softmax run apart, slower than the fused f32 attention
+#: (``docs/backend-builds.md``).
 NO_VNNI_AT_FLOAT = ("MatMul", "ScaledDotProductAttention")
 
 
@@ -182,10 +183,9 @@ def quantize(model: ov.Model, samples: Sequence[Sequence[np.ndarray]]) -> ov.Mod
             preset=nncf.QuantizationPreset.MIXED,
             model_type=nncf.ModelType.TRANSFORMER,
             subset_size=len(samples),
-            # without VNNI oneDNN's int8 matmul and fully-connected kernels are slower than its f32 ones
-            # (full SD 1.5 UNet, oneDNN capped at AVX2: 4.8 s of int8 matmuls against 2.8 s at f32, while
-            # the int8 convolutions took 2.2 s against 5.3 s): there only the convolutions are quantized, and the
-            # attention keeps float inputs (see NO_VNNI_AT_FLOAT)
+            # without VNNI oneDNN's int8 matmul and fully-connected kernels are slower than its f32 ones,
+            # while its int8 convolutions are faster (docs/backend-builds.md): there only the convolutions
+            # are quantized, and the attention keeps float inputs (see NO_VNNI_AT_FLOAT)
             ignored_scope=nncf.IgnoredScope(names=edge_layers(model), types=[] if exact else list(NO_VNNI_AT_FLOAT),
                                             validate=False),
             advanced_parameters=AdvancedQuantizationParameters(overflow_fix=OverflowFix.DISABLE if exact

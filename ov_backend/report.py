@@ -1,8 +1,10 @@
-"""What a compile did: partitions, what stayed in PyTorch and why, times, cache use."""
+"""What a compile did (partitions, what stayed in PyTorch and why, times, cache use) and a backend's counters."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -151,8 +153,9 @@ class CompileReport:
         return "; ".join(parts)
 
 
+@dataclass(frozen=True)
 class Stats:
-    """Counters a backend keeps across calls (thread-safe).
+    """A backend's counters at one moment (:meth:`StatsCounter.snapshot`), or summed over a run.
 
     ``compile_seconds`` is all the time spent getting graphs ready (tracing, conversion or cache
     load, OpenVINO compile); ``trace_seconds``, ``convert_seconds`` and ``ov_compile_seconds`` split
@@ -162,32 +165,124 @@ class Stats:
     weights: a graph's first call, and each in-place change (a LoRA, a checkpoint loaded into the model).
     ``capture_seconds`` is dynamo's capture where its owner measures it (capturing ahead of time, or
     loading a saved capture: see :mod:`ov_backend.portable`), apart from ``compile_seconds``;
-    ``captures_made``, ``captures_saved`` and ``captures_loaded`` count those. ``kept_previous`` counts
-    compiled models of the previous weights a release left in memory (``BackendSettings.previous_weights``);
-    ``released_stale`` (part of ``released``) those released from graphs not called since their weights
-    changed (e.g. a long prompt's capture of the UNet after a LoRA change), where the previous weights'
-    models are not kept.
+    ``captures_made``, ``captures_saved`` and ``captures_loaded`` count those. ``released`` counts compiled
+    models released (see ``OVBackend.start_window``); ``kept_previous`` those of the previous weights a
+    release left in memory (``BackendSettings.previous_weights``); ``released_stale`` (part of
+    ``released``) those released from graphs not called since their weights changed (e.g. a long
+    prompt's capture of the UNet after a LoRA change), where the previous weights' models are not kept.
+
+    :meth:`as_dict` is the mapping ``OVBackend.stats()`` returns; :meth:`text_lines` and :meth:`report_json`
+    render a run's counters for a status text and a status report.
     """
+
+    compile_seconds: float = 0.0
+    trace_seconds: float = 0.0
+    convert_seconds: float = 0.0
+    ov_compile_seconds: float = 0.0
+    run_seconds: float = 0.0
+    ov_calls: int = 0
+    eager_calls: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    compiles: int = 0
+    released: int = 0
+    released_stale: int = 0
+    kept_previous: int = 0
+    quantize_seconds: float = 0.0
+    quantized: int = 0
+    hash_seconds: float = 0.0
+    capture_seconds: float = 0.0
+    captures_made: int = 0
+    captures_saved: int = 0
+    captures_loaded: int = 0
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, float]) -> Stats:
+        """The counters in ``values`` (e.g. ``OVBackend.stats()``, or a difference or sum of them); keys that
+        name no counter are left out, counters missing are 0."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in values.items() if key in names})
+
+    def as_dict(self) -> dict[str, float]:
+        """Counter name -> value, in field order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def report_json(self) -> dict[str, float]:
+        """The counters a run's status report gives (calls, cache hits, compile and run time, releases,
+        captures)."""
+        return {key: getattr(self, key) for key in REPORTED_STATS}
+
+    def text_lines(self) -> list[str]:
+        """A run's counters as status lines: compile and run time, calls, cache hits, captures, releases."""
+        hashed = self.hash_seconds
+        lines = [
+            f"Compile {self.compile_seconds:.1f} s"
+            + (f" ({hashed:.1f} s of it fingerprinting new weights)" if hashed >= 0.05 else "")
+            + f", run {self.run_seconds:.1f} s; "
+            f"{int(self.ov_calls)} OpenVINO calls, {int(self.eager_calls)} PyTorch "
+            f"calls; cache hits {int(self.cache_hits)}."
+        ]
+        lines.extend(self.capture_lines())
+        released = int(self.released)
+        if released:
+            lines.append(
+                f"Released {released} compiled model(s) no call of this generation used (other sizes, weights or "
+                "precisions), to keep memory down (using one again compiles it again)."
+            )
+        stale = int(self.released_stale)
+        if stale:
+            lines.append(
+                f"Of them, {stale} belonged to parts not called since their weights changed (e.g. a long prompt's "
+                "UNet after a LoRA or checkpoint change): the setting for the weights used before says not to "
+                "keep them."
+            )
+        kept = int(self.kept_previous)
+        if kept:
+            lines.append(
+                f"Kept {kept} compiled model(s) of the weights used before (the previous checkpoint, or the model "
+                "before a LoRA change) while memory allows: going back to them compiles nothing."
+            )
+        return lines
+
+    def capture_lines(self) -> list[str]:
+        """What PyTorch's graph capture (dynamo tracing the model's Python code) cost, when it was measured:
+        captured now and saved for the next start, or loaded from the disk cache."""
+        made, loaded = int(self.captures_made), int(self.captures_loaded)
+        if not made and not loaded:
+            return []
+        what = []
+        if made:
+            saved = int(self.captures_saved)
+            what.append(f"{made} captured (dynamo tracing the model's code), "
+                        + ("all" if saved == made else f"{saved} of them") + " saved for the next start")
+        if loaded:
+            what.append(f"{loaded} loaded from the disk cache instead of tracing again")
+        return [f"Graph capture {self.capture_seconds:.1f} s: " + "; ".join(what) + "."]
+
+
+#: The counters a run's status report gives (:meth:`Stats.report_json`), in its order.
+REPORTED_STATS = ("ov_calls", "eager_calls", "cache_hits", "compile_seconds", "convert_seconds", "run_seconds",
+                  "released", "released_stale", "kept_previous", "capture_seconds", "captures_made",
+                  "captures_saved", "captures_loaded")
+
+
+class StatsCounter:
+    """A backend's counters across calls (thread-safe); :meth:`snapshot` reads them as a :class:`Stats`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values = {"compile_seconds": 0.0, "trace_seconds": 0.0, "convert_seconds": 0.0,
-                        "ov_compile_seconds": 0.0, "run_seconds": 0.0, "ov_calls": 0, "eager_calls": 0,
-                        "cache_hits": 0, "cache_misses": 0, "compiles": 0, "released": 0, "released_stale": 0,
-                        "kept_previous": 0,
-                        "quantize_seconds": 0.0, "quantized": 0, "hash_seconds": 0.0, "capture_seconds": 0.0,
-                        "captures_made": 0, "captures_saved": 0, "captures_loaded": 0}
+        self._values = Stats().as_dict()
 
     def add(self, **amounts: float) -> None:
+        """Add to the counters named (a name that is no counter of :class:`Stats` raises KeyError)."""
         with self._lock:
             for key, amount in amounts.items():
                 self._values[key] += amount
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> Stats:
         with self._lock:
-            return dict(self._values)
+            return Stats(**self._values)
 
     def reset(self) -> None:
         with self._lock:
-            for key in self._values:
-                self._values[key] = type(self._values[key])()
+            self._values = Stats().as_dict()

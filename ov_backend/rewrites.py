@@ -3,15 +3,15 @@
 :func:`split_projections`: a projection whose output is split along its features (a GEGLU's
 ``proj(x).chunk(2, -1)`` in every transformer block of an SD UNet) becomes one projection per
 section. The CPU plugin runs such a split with a reference kernel that copies the whole output
-(full SD 1.5 UNet, batch 2, 64x64 latent, Intel Xeon with AMX: 34 ms of a 1542 ms bf16 call, 35 ms of
-a 1215 ms INT8 one, ``bench/results/int8-profile-amx-2026-11-24.md``); two projections of half the
-width cost what one did, and each feeds its consumer directly. The weights are not copied: each
-projection reads its rows of the weight through a split of the weight itself (a weight that is a
-model input stays one, so a model stored without its weights still binds them).
+(its share of a UNet call: ``bench/results/int8-profile-amx-2026-11-24.md``, ``docs/benchmarks.md``);
+two projections of half the width cost what one did, and each feeds its consumer directly. The
+weights are not copied: each projection reads its rows of the weight through a split of the weight
+itself (a weight that is a model input stays one, so a model stored without its weights still binds
+them).
 
 :func:`for_compiling` gives the device each section of a bound weight as a constant that reads its piece
-of the weight's memory: left to the device, the split would be folded into copies at every compile
-(full SD 1.5 UNet on an AMD EPYC Zen 4: about a second more per compile and 0.4 GB). The model kept for
+of the weight's memory: left to the device, the split would be folded into copies of the weights at
+every compile, costing compile time and memory (``docs/backend-builds.md``). The model kept for
 later compiles and the disk cache keeps the split.
 
 :func:`fold_weight_splits` folds the weight splits that remain into constants, for tools that look for
@@ -223,7 +223,7 @@ def share_weight_sections(model: ov.Model) -> int:
     """Replace in place each split of a constant whose sections are each one piece of its memory (a
     projection's weight split by :func:`split_projections`, once the weight is bound) by constants that
     read those pieces: no copy, where the device would otherwise fold the split into copies when it
-    compiles (full SD 1.5 UNet: 0.4 GB and about a second of compile). The new constants keep the old
+    compiles (memory and compile time for each). The new constants keep the old
     one, and so the memory it reads, alive. Returns how many splits were replaced.
 
     For models about to be compiled only: a model given to the disk cache must keep its splits (the

@@ -12,20 +12,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_TORCH_FROM_OV = {
-    ov.Type.f32: torch.float32,
-    ov.Type.f64: torch.float64,
-    ov.Type.f16: torch.float16,
-    ov.Type.bf16: torch.bfloat16,
-    ov.Type.i64: torch.int64,
-    ov.Type.i32: torch.int32,
-    ov.Type.i16: torch.int16,
-    ov.Type.i8: torch.int8,
-    ov.Type.u8: torch.uint8,
-    ov.Type.boolean: torch.bool,
-}
-
-
 def _to_ov(t: torch.Tensor | int | float | bool) -> np.ndarray | ov.Tensor:
     if not isinstance(t, torch.Tensor):
         return np.asarray(t)

@@ -1,10 +1,11 @@
 """dynamo's capture of a module's method, saved in the disk cache so that the next process skips it.
 
-On a warm start the OpenVINO models come from the disk cache in seconds, but dynamo still traces the
-Python code again to find the graphs: a full SD 1.5 UNet took about 14 s on two cores, more than the
-compiles. With torch's ahead-of-time capture (:mod:`ov_backend.portable`), :class:`SavedCaptures`
-captures a module's method once, saves the capture beside the models, and a later process loads it
-(about 1 s) instead. The WebUI adapter and the command line use it for every part they route.
+On a warm start the OpenVINO models come from the disk cache, but dynamo still traces the Python
+code again to find the graphs, which for a full UNet costs more than the compiles. With torch's
+ahead-of-time capture (:mod:`ov_backend.portable`), :class:`SavedCaptures` captures a module's method
+once, saves the capture beside the models, and a later process loads it, much faster than tracing,
+instead (figures: ``docs/backend.md``, "First call" and "Saved captures"). The WebUI adapter and
+the command line use it for every part they route.
 
 What keeps a saved capture honest:
 - its key names what was traced: the module's class, the method's code and source, the extension's and

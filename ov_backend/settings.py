@@ -27,11 +27,10 @@ ENV_DEVICE = "OPENVINO_TORCH_BACKEND_DEVICE"
 ENV_MODEL_CACHING = "OPENVINO_TORCH_MODEL_CACHING"
 ENV_CACHE_DIR = "OPENVINO_TORCH_CACHE_DIR"
 
-#: See BackendSettings.min_partition_ops. Measured on a 2-core CPU (f32): an OpenVINO island costs
-#: about 0.2 ms of hand-over per call, so islands of cheap elementwise ops on small tensors run
-#: faster in PyTorch (12 islands of 1-6 ops on a [1, 256] input: 2.4-3.0 ms vs 0.1-0.4 ms), while
-#: a single 3x3 convolution on [1, 64, 8, 8] ran faster in OpenVINO (4 ms vs 11 ms). A count of
-#: ops cannot tell the two apart, so the default keeps every partition in OpenVINO, as before.
+#: See BackendSettings.min_partition_ops. An OpenVINO island costs a hand-over per call, so islands of
+#: cheap elementwise ops on small tensors run faster in PyTorch, while a single small convolution still
+#: runs faster in OpenVINO (measured: ``docs/backend-builds.md``). A count of ops cannot tell the two
+#: apart, so the default keeps every partition in OpenVINO, as before.
 DEFAULT_MIN_PARTITION_OPS = 1
 #: At precision "int8": calls recorded at float before a graph is quantized (each costs about one call of
 #: the float model again while NNCF gathers statistics).
@@ -72,13 +71,12 @@ class BackendSettings:
             ``getitem`` and size arithmetic are not counted. 1 sends every partition to OpenVINO.
         calibration_samples: at ``precision="int8"``, how many calls of a graph run at float and are
             recorded before it is quantized (fewer if the owner calls ``OVBackend.calibrate()`` first).
-        shared_shapes: on the dynamic route (a graph converted once for every shape), whether one model
+        shared_shapes: on the dynamic build (a graph converted once for every shape), whether one model
             compiled with dynamic shapes serves every shape instead of one model compiled per shape.
-            A compiled model holds its own copy of the weights in the device's layout (a full SD 1.5
-            UNet at bf16: 1.7 GB), so one per shape costs that much per shape held; one for all shapes
-            never compiles again for a new shape, and on the CPU may cost more per call
-            (``bench/results/bench-shared-*``, SD 1.5's UNet and VAE decoder: nothing measurable on an
-            AMD EPYC Zen 4; on an Intel Xeon with AMX 12% and 4% slower than per shape).
+            A compiled model holds its own copy of the weights in the device's layout (gigabytes for a
+            full UNet), so one per shape costs that much per shape held; one for all shapes never
+            compiles again for a new shape, and on the CPU may cost more per call, depending on the CPU
+            (``docs/backend.md``, "One model for all shapes"; ``bench/results/bench-shared-*``).
             "auto": on the CPU at float precisions, per shape until a graph needs a second shape while
             the first one's model is still in use (in the current use window, or at all when windows
             are off), then one for all shapes, until the calls of a use window no longer need it;
@@ -90,8 +88,8 @@ class BackendSettings:
             weights before a LoRA) used in their last window, so that going back to them costs no
             compile. Only the latest other set of weights is kept, and only the models its last window
             used; older ones, and other sizes, go as before. "auto": kept while at least a third of the
-            machine's memory is available (:mod:`ov_backend.memory`; a 16 GB machine running SD 1.5
-            seldom has that, a 24 GB one does), released otherwise or where memory cannot be read;
+            machine's memory is available (:mod:`ov_backend.memory`; ``docs/backend.md``, "The weights
+            used before", says which machines have that), released otherwise or where memory cannot be read;
             "keep"; "release".
         rewrites: the graph rewrites (:mod:`ov_backend.rewrites`) applied to each converted model, by
             name (default: all of :data:`ov_backend.rewrites.REWRITES`); each computes the same values

@@ -85,8 +85,8 @@ class SharedModels:
 
     dynamo captures the same code again when a guard fails (A1111's UNet called at batch 1 for a
     prompt longer than 75 tokens, after batch 2): the captures convert to the same model, and with
-    the same weights one compiled model serves them all (a full SD 1.5 UNet at bf16 holds 1.7 GB,
-    and compiling it costs seconds). The key names the graph's code, its dynamic dimensions, the
+    the same weights one compiled model serves them all (a full UNet's holds gigabytes, and
+    compiling it costs seconds). The key names the graph's code, its dynamic dimensions, the
     weights' fingerprint and the settings that change a compiled model.
 
     Graphs that build under a key :meth:`join` it; one that joins after another is a re-capture, which
@@ -159,7 +159,7 @@ class Variant:
         calibration: at precision "int8": the recording its calls add to (they run at float until the
             graph is quantized); None otherwise.
         compiled_for: :data:`FOR_ONE_SHAPE`, :data:`FOR_ALL_SHAPES` or :data:`BORROWED` on the dynamic
-            route, else None.
+            build, else None.
         usable: for a borrowed model: whether its owner still holds it (else always usable).
     """
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-try:  # xxh3 reads weights about ten times faster than sha256 (a full SD 1.5 UNet: 0.15 s, not 1 s)
+try:  # xxh3 reads weights several times faster than sha256 (docs/backend-builds.md)
     import xxhash
 except ImportError:  # pragma: no cover - install.py and pyproject install it; sha256 keeps things right
     xxhash = None
