@@ -23,12 +23,10 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import CodeType
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from .backend_bridge import ov_backend
 from .finite_guard import F32Switch, all_finite
@@ -43,12 +41,6 @@ logger = logging.getLogger(__name__)
 EAGER_UNTIL = "until another checkpoint is loaded or the WebUI restarts"
 
 
-def input_signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
-    """Shapes and dtypes of the tensor arguments of one call."""
-    items = list(args) + [kwargs[k] for k in sorted(kwargs)]
-    return tuple((tuple(x.shape), str(x.dtype)) for x in items if isinstance(x, torch.Tensor))
-
-
 @dataclass
 class CompiledRoute:
     """The compiled method of one routed module object, and what its calls did."""
@@ -58,7 +50,6 @@ class CompiledRoute:
     module_ref: weakref.ReferenceType
     compiled: CompiledMethod
     """The module's method compiled through its backend (``ov_backend.CompiledMethod``)."""
-    seen: set[tuple] = field(default_factory=set)
     calls: int = 0
     eager_calls: int = 0
     """Calls dynamo ran without a compiled graph (plain PyTorch)."""
@@ -134,16 +125,16 @@ def make_forward(
     label = PART_LABELS[entry.part]
 
     def run(build: CompiledRoute, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        signature = input_signature(args, kwargs)
+        signature = ov_backend.input_signature(args, kwargs)
         with lock:
-            new = signature not in build.seen
+            new = signature not in build.compiled.seen
         if new:
             shapes = "x".join(str(d) for d in signature[0][0]) if signature else "?"
             at = ", f32" if build is not entry else ""
             notify(f"OpenVINO: compiling {label} ({entry.label}{at}) for input {shapes} ...")
 
         try:
-            result, eager = build.compiled.call(args, kwargs, new_input=new)
+            result, eager = build.compiled.call(args, kwargs, signature)
         finally:
             if new:
                 notify(None)
@@ -152,8 +143,6 @@ def make_forward(
             if eager:
                 entry.eager_calls += 1
                 entry.eager_reason = reason
-            if new:
-                build.seen.add(signature)
         return result
 
     def rerun_at_f32(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

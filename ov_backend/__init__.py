@@ -54,6 +54,7 @@ _EXPORTS = {
     "why_eager": "ov_backend.graph_runs",
     # routing a module's method: compiled, its captures saved, its sizes symbolic
     "CompiledMethod": "ov_backend.compiled_method",
+    "input_signature": "ov_backend.compiled_method",
     "SavedCaptures": "ov_backend.saved_captures",
     "mark_varying": "ov_backend.portable",
     "sizes_may_be_one": "ov_backend.portable",
@@ -61,14 +62,14 @@ _EXPORTS = {
 __all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "CacheEntry", "check_device",
     "CompiledMethod", "CompileReport", "default_cache_dir", "DEFAULT_PRECISION", "describe_eager",
     "device_info", "DeviceInfo", "EagerCalls", "format_bytes", "GraphCollector", "GraphRunCounter",
-    "list_devices", "mark_varying", "ModelCache", "OpenVINOFallbackError", "ov_backend", "OVBackend",
-    "PartitionReport", "PRECISIONS", "QUANTIZED_PRECISIONS", "SavedCaptures", "sizes_may_be_one", "Stats",
-    "why_eager"]
+    "input_signature", "list_devices", "mark_varying", "ModelCache", "OpenVINOFallbackError", "ov_backend",
+    "OVBackend", "PartitionReport", "PRECISIONS", "QUANTIZED_PRECISIONS", "SavedCaptures", "sizes_may_be_one",
+    "Stats", "why_eager"]
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.backend import BACKEND_NAME, OVBackend, ov_backend
     from ov_backend.cache import CacheEntry, ModelCache
-    from ov_backend.compiled_method import CompiledMethod
+    from ov_backend.compiled_method import CompiledMethod, input_signature
     from ov_backend.context import OpenVINOFallbackError
     from ov_backend.devices import DeviceInfo, check_device, device_info, list_devices
     from ov_backend.files import atomic_path, format_bytes

@@ -19,7 +19,7 @@ rescue, LoRA) stays with the caller.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import CodeType
 from typing import Any
 
@@ -30,6 +30,12 @@ from ov_backend.graph_runs import UNTIL_RESET, GraphCollector, GraphRunCounter, 
 from ov_backend.saved_captures import SavedCaptures
 
 logger = logging.getLogger(__name__)
+
+
+def input_signature(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple:
+    """The shapes and dtypes of a call's tensor arguments: what makes a call a new kind of input."""
+    values = [*args, *(kwargs[k] for k in sorted(kwargs))]
+    return tuple((tuple(v.shape), str(v.dtype)) for v in values if isinstance(v, torch.Tensor))
 
 
 class CompiledMethod:
@@ -54,17 +60,23 @@ class CompiledMethod:
         self.compiled = torch.compile(source, backend=self.graphs)
         self.captures = SavedCaptures.of(source, attribute, self.graphs, counter.backend, varying)
         self.code = code if code is not None else getattr(getattr(source, "__func__", source), "__code__", None)
+        #: the input signatures (:func:`input_signature`) of the calls run so far
+        self.seen: set[tuple] = set()
 
     @property
     def backend(self) -> Any:
         """The backend the method's graphs compile through (an ``OVBackend``)."""
         return self.counter.backend
 
-    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], new_input: bool = True) -> tuple[Any, bool]:
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], signature: tuple | None = None) -> tuple[Any, bool]:
         """Run one call: (its result, whether dynamo ran it in plain PyTorch, without a compiled graph).
 
-        ``new_input``: the call's kind of input was not seen before (its varying sizes are marked dynamic
-        for torch.compile; a saved capture takes the arguments unmarked, as its guards ask)."""
+        ``signature``: the call's :func:`input_signature`, when the caller has it already. On a signature
+        not seen before, the varying sizes are marked dynamic for torch.compile (a saved capture takes the
+        arguments unmarked, as its guards ask)."""
+        if signature is None:
+            signature = input_signature(args, kwargs)
+        new_input = signature not in self.seen
 
         def through_torch_compile(*args: Any, **kwargs: Any) -> Any:
             if new_input:
@@ -76,6 +88,7 @@ class CompiledMethod:
 
         before = self.counter.graphs_run()
         result = self.captures.call(args, kwargs, through_torch_compile)
+        self.seen.add(signature)
         return result, self.counter.graphs_run() == before
 
     def why_eager(self, until: str = UNTIL_RESET) -> str:

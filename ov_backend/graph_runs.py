@@ -137,12 +137,6 @@ def describe_eager(eager: Mapping[str, tuple[int, str]], calls: Mapping[str, int
     return "Not accelerated, ran in plain PyTorch: " + "; ".join(items) + "."
 
 
-def _input_kind(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple:
-    """The shapes and dtypes of a call's tensor arguments."""
-    values = [*args, *(kwargs[k] for k in sorted(kwargs))]
-    return tuple((tuple(v.shape), str(v.dtype)) for v in values if isinstance(v, torch.Tensor))
-
-
 class EagerCalls:
     """Calls of compiled functions, per label, and those dynamo ran in plain PyTorch (thread-safe)."""
 
@@ -154,12 +148,9 @@ class EagerCalls:
     def watch(self, label: str, method: Any) -> Callable[..., Any]:
         """A forward that runs ``method`` (an ``ov_backend.CompiledMethod``), counting its calls under
         ``label``."""
-        seen: set[tuple] = set()
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            kind = _input_kind(args, kwargs)
-            result, ran_eager = method.call(args, kwargs, new_input=kind not in seen)
-            seen.add(kind)
+            result, ran_eager = method.call(args, kwargs)
             reason = method.why_eager() if ran_eager else ""
             with self._lock:
                 self.calls[label] = self.calls.get(label, 0) + 1
