@@ -168,10 +168,9 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def script_args(precision: str) -> list[Any]:
     """``script_args`` of the extension's script: its defaults at the given precision, in ``ui()`` order."""
-    from ov_accelerate_webui.settings import DEFAULTS, FIELD_NAMES, PRECISION_NAMES
+    from ov_accelerate_webui.settings import DEFAULTS, FIELD_NAMES
 
-    label = next(long for long, short in PRECISION_NAMES.items() if short == precision)
-    chosen = dataclasses.replace(DEFAULTS, precision=label)
+    chosen = dataclasses.replace(DEFAULTS, precision=precision)
     return [getattr(chosen, name) for name in FIELD_NAMES]
 
 

@@ -197,7 +197,7 @@ def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Pa
         from ov_backend import build_settings
 
         try:
-            build_settings(settings.to_backend_options())
+            build_settings(settings.backend_choice().options())
         except ValueError as exc:
             parser.error(str(exc))
     size = DEMO_SIZE if args.demo else 512
@@ -286,7 +286,7 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
                         bar.close()
                     times.batch_done(len(images))
                     if times.batches == 1 and accelerator.calibrate():
-                        quantizing = [r for r in accelerator.backend.reports if r.route == "int8"]
+                        quantizing = [r for r in accelerator.backends.reports() if r.route == "int8"]
                         _out("INT8: " + "; ".join(r.summary() for r in quantizing))
                     for item in images:
                         path = args.out / f"{number:05d}-{item.seed}.png"
@@ -303,8 +303,8 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
         except Interrupted:
             interrupted = True
     stats = accelerator.stats()
-    if args.verbose and accelerator.backend is not None:
-        for report in accelerator.backend.reports:
+    if args.verbose:
+        for report in accelerator.backends.reports():
             _err(report.summary())
     _out(f"{len(saved)} image(s) in {args.out}: load {load_seconds:.1f}s, "
          f"{times.describe(stats if settings.accelerate else None)} "

@@ -1,9 +1,8 @@
 """Settings of the Stable Diffusion layer: one frozen, validated object and its builder.
 
 The SD layer's options are a small superset of what the WebUI script offers (device, precision,
-caching, cache folder, which parts run through OpenVINO). ``to_backend_options`` maps them to
-the option dict that ``ov_backend.build_settings`` takes, so both entry points configure the
-backend the same way.
+caching, cache folder, which parts run through OpenVINO). ``backend_choice`` is the backend they choose,
+as the WebUI's settings give theirs, so both entry points configure the backend the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from typing import Any
 
 from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS
 
+from .backends import BackendChoice
 from .parts import PARTS, in_order
 
 logger = logging.getLogger(__name__)
@@ -39,13 +39,10 @@ class SDSettings:
     prediction_type: str | None = None
     """Override of the checkpoint's prediction type ("epsilon" or "v_prediction"); None: detect."""
 
-    def to_backend_options(self) -> dict[str, Any]:
-        """Return the option dict for ``ov_backend.build_settings``."""
-        options: dict[str, Any] = {"device": self.device, "model_caching": self.model_caching,
-                                   "precision": self.precision}
-        if self.cache_dir is not None:
-            options["cache_dir"] = self.cache_dir
-        return options
+    def backend_choice(self) -> BackendChoice:
+        """The backend these settings choose (see :class:`~.backends.Backends`)."""
+        return BackendChoice(device=self.device, precision=self.precision, model_caching=self.model_caching,
+                             cache_dir=self.cache_dir)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SDSettings))

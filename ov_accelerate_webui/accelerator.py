@@ -27,44 +27,33 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ov_accelerate_sd.backends import BackendChoice, Backends, Mark
 from ov_accelerate_sd.parts import VARYING_DIMS
 
-from .backend_bridge import BackendApi, ov_backend
+from .backend_bridge import BackendApi
 from .compiled_route import CompiledRoute, compile_route, f32_route, make_forward
 from .finite_guard import F32Switch
 from .lora import LoraChange, LoraHook
 from .model_parts import PYTORCH_CHECKS, Target, checkpoint_key, find_targets
 from .routing import Route, mark_ours
-from .settings import PRECISION_F32, PRECISION_NAMES, AccelerateSettings
+from .settings import AccelerateSettings
 
 if TYPE_CHECKING:
-    from ov_backend import CompileReport, GraphRunCounter, OVBackend
+    from ov_backend import CompileReport, OVBackend
 
 logger = logging.getLogger(__name__)
-
-BackendKey = tuple[str, bool, str, str]
-
-
-def backend_key(options: Mapping[str, Any]) -> BackendKey:
-    """A hashable key of the backend options (``AccelerateSettings.backend_options``)."""
-    return (
-        str(options["device"]),
-        bool(options["model_caching"]),
-        str(options["cache_dir"]),
-        str(options["precision"]),
-    )
-
 
 @dataclass(frozen=True)
 class PreparedRun:
     """What one generation routes, and where its status comes from."""
 
     routes: tuple[Route, ...]
-    backend: OVBackend
-    first_report: int
     settings: AccelerateSettings
+    choice: BackendChoice
+    """The backend the user chose (the parts run under ``choice.for_part``)."""
     checkpoint: str
-    stats_before: dict[str, float]
+    mark: Mark
+    """The backends' reports and counters as the run began."""
     entries: tuple[CompiledRoute, ...] = ()
     """The compiled forward behind each route (their call counters tell which routes ran)."""
     calls_before: tuple[int, ...] = ()
@@ -74,23 +63,12 @@ class PreparedRun:
     pytorch_before: tuple[int, ...] = ()
     """Calls of each entry run on the module's own method (``compiled_route.make_forward``'s bypass) before
     the run."""
-    key: BackendKey = ("", False, "", "")
-    """The backend options key of ``backend``."""
-    f32_options: Mapping[str, Any] | None = None
-    """Backend options of the f32 builds of routes that overflow; None when the run is at f32 already."""
+    f32_choice: BackendChoice | None = None
+    """The backend of the f32 builds of routes that overflow; None when the run is at f32 already."""
     f32_before: tuple[bool, ...] = ()
     """Whether each entry ran at f32 before the run."""
-    f32_first_report: int = 0
-    """Compile reports of the f32 backend before the run (0 if it did not exist yet)."""
-    f32_stats_before: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    """The f32 backend's counters before the run (empty if it did not exist yet)."""
     released_other: int = 0
     """Compiled models of builds for other options released as the run began."""
-
-
-def _quantized(precision: str) -> bool:
-    """Whether the backend precision name ``precision`` quantizes (INT8: the UNet only)."""
-    return precision in ov_backend.QUANTIZED_PRECISIONS
 
 
 #: How a run's compiled models are kept (see :meth:`Accelerator.prepare`).
@@ -106,13 +84,12 @@ class Accelerator:
         notify: called with "OpenVINO: compiling ..." before a call with a new input signature
             and with None after it (the WebUI shows it in its progress text).
         """
-        self.api = api
         self._notify = notify or (lambda text: None)
         self._lock = threading.RLock()
         self._checkpoints: set[str] = set()
-        self._backends: dict[BackendKey, OVBackend] = {}
-        self._counters: dict[BackendKey, GraphRunCounter] = {}
-        self._compiled: dict[tuple[BackendKey, str], list[CompiledRoute]] = {}
+        self.backends = Backends(lambda choice: api.backend_class(api.build_settings(choice.options())))
+        """One backend per choice of the user's (and per precision a part runs at), kept across generations."""
+        self._compiled: dict[tuple[BackendChoice, str], list[CompiledRoute]] = {}
         self._lora = LoraHook(self._lock)
         self.on_pytorch: Callable[[CompiledRoute, str], None] | None = None
         """Told (route, why) when a routed call runs in PyTorch (set by the generation running)."""
@@ -132,54 +109,38 @@ class Accelerator:
             ValueError: the backend rejected the settings (e.g. an unknown device).
         """
         targets = find_targets(model, settings.parts)
-        options = settings.backend_options(default_cache_dir)
-        quantized = _quantized(options["precision"])
-        if quantized:  # the UNet's backend is derived from this float one in _prepared (see _unet_backend)
-            options = {**options, "precision": ov_backend.DEFAULT_PRECISION}
-        key = backend_key(options)
+        choice = settings.backend_choice(default_cache_dir)
+        f32_choice = dataclasses.replace(choice, precision="f32") if choice.precision != "f32" else None
         ckpt = checkpoint_key(model)
-        f32_options = None
-        if settings.precision != PRECISION_F32:
-            f32_options = dataclasses.replace(settings, precision=PRECISION_F32).backend_options(default_cache_dir)
         with self._lock:
             if ckpt not in self._checkpoints:
                 self._switch_to(model, ckpt)
-            backend = self._backend(key, options)
+            for part in {t.part for t in targets}:
+                self.backends.backend(choice.for_part(part))  # checks the settings before anything runs
             # a generation is a use window: compiled models it does not call are released when another
             # is built (another size, a LoRA change), so memory holds what this generation uses
-            f32_backend = self._backends.get(backend_key(f32_options)) if f32_options is not None else None
-            for used in (backend, f32_backend):
-                if used is not None and window == WINDOW_NEW:
-                    used.start_window(previous_weights)
-                elif used is not None and window == WINDOW_OFF:
-                    used.stop_windows()
-            return self._prepared(model, targets, key, backend, settings, f32_options)
-
-    def _unet_backend(self, key: BackendKey, backend: OVBackend, precision: str) -> tuple[BackendKey, OVBackend]:
-        """The backend of the UNet at a quantized precision: ``backend``'s state at that precision (one
-        cache, one set of counters and reports), kept beside it."""
-        unet_key = (*key[:3], precision)
-        unet = self._backends.get(unet_key)
-        if unet is None or unet.stats_counter is not backend.stats_counter:
-            unet = self._backends[unet_key] = backend.derived(precision)
-        return unet_key, unet
+            if window == WINDOW_NEW:
+                self.backends.start_window(previous_weights)
+            elif window == WINDOW_OFF:
+                self.backends.stop_windows()
+            return self._prepared(model, targets, choice, settings, f32_choice)
 
     def calibrate(self, run: PreparedRun) -> int:
         """At INT8: quantize the UNet on the calls ``run`` recorded at float (the end of a generation);
         returns how many models were quantized."""
-        if not _quantized(PRECISION_NAMES[run.settings.precision]):
+        if not run.choice.quantized:
             return 0
         with self._lock:
             self._notify("OpenVINO: quantizing the UNet to INT8 on this generation's steps (once per checkpoint "
                          "and LoRA set)")
             try:
-                return run.backend.calibrate()
+                return self.backends.calibrate(run.choice)
             finally:
                 self._notify(None)
 
     def extend(self, run: PreparedRun, model: Any) -> PreparedRun:
         """The routes of ``model``, another model A1111 switched to during ``run`` (a refiner, a hires
-        checkpoint, the selected model again): same backend, nothing dropped.
+        checkpoint, the selected model again): same backends, nothing dropped.
 
         Raises:
             UnsupportedModel: the model cannot be accelerated.
@@ -187,60 +148,34 @@ class Accelerator:
         targets = find_targets(model, run.settings.parts)
         with self._lock:
             self._checkpoints.add(checkpoint_key(model))
-            return self._prepared(model, targets, run.key, run.backend, run.settings, run.f32_options)
+            return self._prepared(model, targets, run.choice, run.settings, run.f32_choice, run.mark)
 
-    def _backend(self, key: BackendKey, options: Mapping[str, Any]) -> OVBackend:
-        backend = self._backends.get(key)
-        if backend is None:
-            backend = self.api.backend_class(self.api.build_settings(dict(options)))
-            self._backends[key] = backend
-        return backend
-
-    def _prepared(
-        self,
-        model: Any,
-        targets: list[Target],
-        key: BackendKey,
-        backend: OVBackend,
-        settings: AccelerateSettings,
-        f32_options: Mapping[str, Any] | None,
-    ) -> PreparedRun:
-        quantized = PRECISION_NAMES[settings.precision]
-        keys = {t.label: key for t in targets}
-        if _quantized(quantized):
-            unet_key, unet_backend = self._unet_backend(key, backend, quantized)
-            keys.update({t.label: unet_key for t in targets if t.part == "unet"})
-            entries = [self._entry(unet_key, unet_backend, t) if t.part == "unet" else self._entry(key, backend, t)
-                       for t in targets]
-        else:
-            entries = [self._entry(key, backend, t) for t in targets]
+    def _prepared(self, model: Any, targets: list[Target], choice: BackendChoice, settings: AccelerateSettings,
+                  f32_choice: BackendChoice | None, mark: Mark | None = None) -> PreparedRun:
+        keys = {t.label: choice.for_part(t.part) for t in targets}
         released = self._release_other_builds(keys)  # (counted apart: the builds may be another backend's)
-        f32_backend = self._backends.get(backend_key(f32_options)) if f32_options is not None else None
+        entries = [self._entry(keys[t.label], t) for t in targets]
         routes = tuple(
-            Route(t.module, self._make_forward(e, f32_options), t.label, t.method) for t, e in zip(targets, entries)
+            Route(t.module, self._make_forward(e, f32_choice), t.label, t.method) for t, e in zip(targets, entries)
         )
         return PreparedRun(
             routes=routes,
-            backend=backend,
-            first_report=len(backend.reports),
             settings=settings,
+            choice=choice,
             checkpoint=checkpoint_key(model),
-            stats_before=dict(backend.stats()),
+            mark=mark if mark is not None else self.backends.mark(),
             released_other=released,
             entries=tuple(entries),
             calls_before=tuple(e.calls for e in entries),
             eager_before=tuple(e.eager_calls for e in entries),
             pytorch_before=tuple(e.pytorch_calls for e in entries),
-            key=key,
-            f32_options=f32_options,
+            f32_choice=f32_choice,
             f32_before=tuple(e.f32 is not None for e in entries),
-            f32_first_report=len(f32_backend.reports) if f32_backend is not None else 0,
-            f32_stats_before=dict(f32_backend.stats()) if f32_backend is not None else {},
         )
 
-    def _release_other_builds(self, keys: Mapping[str, BackendKey]) -> int:
-        """Release the compiled models of the routes' builds under other options than ``keys`` (route label ->
-        the options it runs with now): e.g. the UNet at *Automatic* once a generation runs it at INT8, which
+    def _release_other_builds(self, keys: Mapping[str, BackendChoice]) -> int:
+        """Release the compiled models of the routes' builds under other choices than ``keys`` (route label ->
+        the choice it runs under now): e.g. the UNet at *Automatic* once a generation runs it at INT8, which
         would otherwise stay in memory beside it (a full SD 1.5 UNet: ~2 GB at bf16). Their converted models
         stay: going back costs a compile. Returns how many were released."""
         released = 0
@@ -251,8 +186,8 @@ class Accelerator:
             logger.info("released %d compiled model(s) built for other options than this generation's", released)
         return released
 
-    def _entry(self, key: BackendKey, backend: OVBackend, target: Target) -> CompiledRoute:
-        entries = self._compiled.setdefault((key, target.label), [])
+    def _entry(self, choice: BackendChoice, target: Target) -> CompiledRoute:
+        entries = self._compiled.setdefault((choice, target.label), [])
         entry = next((e for e in entries if e.module_ref() is target.module), None)
         if entry is None:
             if entries:
@@ -260,23 +195,12 @@ class Accelerator:
             function = getattr(type(target.module), target.method, None)
             source = getattr(target.module, target.method)
             entry = compile_route(
-                target.part, target.label, weakref.ref(target.module), source, self._counter(key, backend),
+                target.part, target.label, weakref.ref(target.module), source, self.backends.counter(choice),
                 dict(target.varying_dims) if target.varying_dims is not None else VARYING_DIMS,
                 getattr(function, "__code__", None), target.method,
             )
             entries.append(entry)
         return entry
-
-    def _counter(self, key: BackendKey, backend: OVBackend) -> GraphRunCounter:
-        counter = self._counters.get(key)
-        if counter is None or counter.backend is not backend:
-            counter = self._counters[key] = ov_backend.GraphRunCounter(backend)
-        return counter
-
-    def _f32_build(self, entry: CompiledRoute, options: Mapping[str, Any]) -> CompiledRoute:
-        """The f32 build of ``entry``'s route (compiled on its first call, by the f32 backend)."""
-        key = backend_key(options)
-        return f32_route(entry, self._counter(key, self._backend(key, options)))
 
     def keep_only(self, runs: Sequence[PreparedRun]) -> None:
         """Drop compiled forwards of module objects that none of ``runs`` routed (models A1111 replaced)."""
@@ -287,8 +211,8 @@ class Accelerator:
                 if not entries:
                     del self._compiled[label_key]
 
-    def _make_forward(self, entry: CompiledRoute, f32_options: Mapping[str, Any] | None) -> Callable[..., Any]:
-        f32_build = None if f32_options is None else (lambda: self._f32_build(entry, f32_options))
+    def _make_forward(self, entry: CompiledRoute, f32_choice: BackendChoice | None) -> Callable[..., Any]:
+        f32_build = None if f32_choice is None else (lambda: f32_route(entry, self.backends.counter(f32_choice)))
         forward = make_forward(entry, self._lock, self._notify, f32_build, PYTORCH_CHECKS.get(entry.part),
                                lambda route, why: self.on_pytorch(route, why) if self.on_pytorch else None)
         return mark_ours(self._lora.wrap(forward, entry))
@@ -299,10 +223,7 @@ class Accelerator:
 
     def _drop_all(self) -> None:
         compiled_any = bool(self._compiled)
-        for backend in self._backends.values():
-            backend.reset()
-        self._backends.clear()
-        self._counters.clear()
+        self.backends.reset()
         self._compiled.clear()
         if compiled_any:
             # dynamo keeps each compiled variant on the function's code object, shared by every module
@@ -359,18 +280,13 @@ class Accelerator:
         within = {id(m) for m in walk()}
         return all(id(m) in within for m in modules)
 
-    def _f32_backend(self, run: PreparedRun) -> OVBackend | None:
-        """The backend of ``run``'s f32 builds, if one exists."""
-        return self._backends.get(backend_key(run.f32_options)) if run.f32_options is not None else None
+    def backend_of(self, run: PreparedRun, part: str) -> OVBackend:
+        """The backend ``part`` runs on in ``run`` (a name of ``ov_accelerate_sd.parts.PARTS``)."""
+        return self.backends.backend(run.choice.for_part(part))
 
     def reports_since(self, run: PreparedRun) -> list[CompileReport]:
-        """The compile reports the backend (and the one of f32 builds) produced during ``run``."""
-        with self._lock:
-            reports = run.backend.reports[run.first_report :]
-            f32_backend = self._f32_backend(run)
-            if f32_backend is not None:
-                reports += f32_backend.reports[run.f32_first_report :]
-            return reports
+        """The compile reports the backends (the one of f32 builds included) produced during ``run``."""
+        return self.backends.reports_since(run.mark)
 
     def f32_since(self, run: PreparedRun) -> dict[str, tuple[F32Switch, bool]]:
         """Route label -> (why it runs at f32, whether it switched during ``run``), for routes of ``run`` that
@@ -384,13 +300,6 @@ class Accelerator:
 
     def stats_since(self, run: PreparedRun) -> dict[str, float]:
         """Backend counters (compile/run seconds, calls, cache hits) accumulated during ``run``."""
-        with self._lock:
-            now = dict(run.backend.stats())
-            f32_backend = self._f32_backend(run)
-            f32_now = dict(f32_backend.stats()) if f32_backend is not None else {}
-        result = {k: v - run.stats_before.get(k, 0) for k, v in now.items() if isinstance(v, (int, float))}
-        for k, v in f32_now.items():
-            if isinstance(v, (int, float)):
-                result[k] = result.get(k, 0) + v - run.f32_stats_before.get(k, 0)
+        result = self.backends.stats_since(run.mark)
         result["released"] = result.get("released", 0) + run.released_other
         return result

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
+from ov_accelerate_sd.openvino_entry import PART_NAMES
+
 from .backend_bridge import ov_backend
 from .finite_guard import F32Switch, all_finite
-from .settings import PART_LABELS
 
 if TYPE_CHECKING:
     from ov_backend import CompiledMethod, GraphRunCounter
@@ -122,7 +123,7 @@ def make_forward(
             rewrites the UNet's blocks into ops OpenVINO cannot take).
         on_bypass: told (entry, why) of each such call.
     """
-    label = PART_LABELS[entry.part]
+    label = PART_NAMES[entry.part]
 
     def run(build: CompiledRoute, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         signature = ov_backend.input_signature(args, kwargs)

@@ -19,9 +19,9 @@ from .backend_bridge import BackendApi, BackendUnavailable, load_backend, ov_bac
 from .generation import Generation, Job, NotAccelerated, RunRecord, append_comment, comment_on, run_report
 from .infotext import WRITTEN_KEYS, generation_params
 from .model_parts import UnsupportedModel, checkpoint_key, checkpoint_label
+from .options import read_options
 from .precompile import ReadySizes, Size, parse_sizes
 from .settings import AccelerateSettings
-from .ui import KEEP_SIZES_OPTION, PREVIOUS_WEIGHTS_OPTION
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +116,11 @@ class Extension:
         model = getattr(p, "sd_model", None) or host.loaded_model()
         try:
             accelerator = self.accelerator()
-            if host.option(KEEP_SIZES_OPTION, False):
+            options = read_options()
+            if options.keep_all_sizes:
                 window = WINDOW_OFF
             prepared = accelerator.prepare(model, settings, host.default_cache_dir(), window,
-                                           str(host.option(PREVIOUS_WEIGHTS_OPTION, "auto") or "auto"))
+                                           options.previous_weights)
         except (BackendUnavailable, UnsupportedModel) as exc:
             raise NotAccelerated(f"Accelerate with OpenVINO: {exc}", logging.WARNING) from exc
         except ValueError as exc:  # settings the backend rejects, e.g. INT8 without NNCF: the image is still made
@@ -136,7 +137,7 @@ class Extension:
 
         generation = Generation(accelerator, prepared, model, settings, unsupported)
         generation.owner, generation.section = id(p), section
-        cache_folder = settings.backend_options(host.default_cache_dir())["cache_dir"] if settings.model_caching else ""
+        cache_folder = settings.backend_choice(host.default_cache_dir()).cache_dir if settings.model_caching else ""
         generation.cache_folder, generation.cached_before = cache_folder, self._cache_keys(cache_folder)
         generation.start()
         with self._lock:

@@ -20,13 +20,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ov_accelerate_sd.openvino_entry import PART_NAMES
+
 from .accelerator import Accelerator, PreparedRun
 from .attention import FusedAttention
 from .backend_bridge import ov_backend
 from .finite_guard import F32Switch
 from .lora import LoraChange, changes_line
 from .session import RoutingSession
-from .settings import PART_LABELS, AccelerateSettings
+from .settings import AccelerateSettings
 from .status import run_status
 
 logger = logging.getLogger(__name__)
@@ -122,7 +124,7 @@ class Generation:
     def _ran_in_pytorch(self, route: Any, why: str) -> None:
         if route.part not in self._said:  # once per part: the infotext's note, the comment under the images
             self._said.add(route.part)
-            self._on_unsupported(PART_LABELS[route.part], why)
+            self._on_unsupported(PART_NAMES[route.part], why)
 
     def start(self) -> None:
         self.accelerator.lora_changes()  # from earlier runs: not this run's

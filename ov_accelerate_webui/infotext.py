@@ -24,8 +24,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ov_accelerate_sd.openvino_entry import ENTRY_KEY as OPENVINO_KEY
+from ov_accelerate_sd.openvino_entry import NOTE_SEPARATOR
 
-from .settings import INFOTEXT_ITEMS, INFOTEXT_NOTE_SEPARATOR, AccelerateSettings, parse_infotext
+from .settings import INFOTEXT_ITEMS, AccelerateSettings, parse_infotext
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def generation_params(settings: AccelerateSettings, notes: Sequence[str] = (), s
         section: the always-on section made the image (it marks itself, and leaves "Script" to the
             dropdown script that ran, if any); else the dropdown entry did.
     """
-    entry = settings.infotext() + "".join(INFOTEXT_NOTE_SEPARATOR + note for note in notes)
+    entry = settings.infotext() + "".join(NOTE_SEPARATOR + note for note in notes)
     if section:
         return {ENTRY_KEY: entry, SECTION_PASTE_KEY: SECTION_MARK}
     return {SCRIPT_KEY: TITLE, ENTRY_KEY: entry}
@@ -79,7 +80,7 @@ def paste_field_names() -> list[str]:
 
 
 def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, str]],
-                  section_default: bool = False) -> list[str]:
+                  precision_labels: Mapping[str, str], section_default: bool = False) -> list[str]:
     """Split a pasted "OpenVINO" entry into :data:`PASTE_KEYS` entries of ``params`` (in place).
 
     A value that cannot be used is left out, so A1111 leaves that control as it is: a slot that cannot
@@ -91,6 +92,7 @@ def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, st
     Args:
         params: A1111's parsed infotext (the ``on_infotext_pasted`` callback's second argument).
         device_choices: the panel's (label, device name) pairs; the device is pasted as its label.
+        precision_labels: precision name -> the panel's label of it; the precision is pasted as its label.
 
     Returns:
         What could not be pasted, one sentence each (also logged as one WARNING).
@@ -110,6 +112,8 @@ def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, st
             problems.append(f"device {device!r} is not available here (available: {available})")
         else:
             values["device"] = label
+    if "precision" in values:
+        values["precision"] = precision_labels[values["precision"]]
     for field, value in values.items():
         params[PASTE_KEYS[field]] = value
     if not by_section:

@@ -8,6 +8,7 @@ from typing import Any
 from . import host
 from .extension import Extension
 from .infotext import TITLE, infotext_fields, paste_field_names
+from .options import panel_values
 from .settings import FIELD_NAMES, from_ui_args
 from .ui import Panel, bind_refresh_after_generation, build_panel
 
@@ -42,7 +43,7 @@ def make_script_class(extension: Extension) -> type:
             bind_refresh_after_generation(self.panel, component, kwargs.get("elem_id"), extension)
 
         def run(self, p: Any, *args: Any) -> Any:
-            settings = from_ui_args(args, extension.known_devices())
+            settings = from_ui_args(args, extension.known_devices(), read=panel_values)
             return extension.run(p, settings)
 
     return AccelerateWithOpenVINO

@@ -23,8 +23,9 @@ from . import host
 from .extension import Extension
 from .generation import comment_on
 from .infotext import SECTION_PASTE_KEY, infotext_fields, paste_field_names
+from .options import panel_values, read_options
 from .settings import FIELD_NAMES, build_settings
-from .ui import ENABLE_ALWAYS_OPTION, Panel, bind_refresh_after_generation, build_panel
+from .ui import Panel, bind_refresh_after_generation, build_panel
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ def section_settings(args: Sequence[Any], override: Mapping[str, Any] | None, de
         enabled = enabled or bool(cell)
         why = f"the {SECTION_TITLE} section is not enabled"
     values.update(cell)
-    settings = build_settings(values, device_names)  # checked even when off: a wrong value is said at once
+    # checked even when off: a wrong value is said at once
+    settings = build_settings(panel_values(values), device_names)
     return (settings, "") if enabled else (None, why)
 
 
@@ -100,7 +102,7 @@ def make_section_class(extension: Extension) -> type:
             with gr.Accordion(SECTION_TITLE, open=False, elem_id=self.elem_id("accordion")):
                 enabled = gr.Checkbox(
                     label="Enable: run this generation's UNet, VAE and text encoder in OpenVINO, with any script",
-                    value=lambda: bool(host.option(ENABLE_ALWAYS_OPTION, False)),
+                    value=lambda: read_options().enable_always,
                     elem_id=self.elem_id(ENABLED),
                 )
                 self.panel = build_panel(self, extension, is_img2img)

@@ -20,11 +20,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ov_accelerate_sd.openvino_entry import PART_NAMES
+
 from .accelerator import Accelerator, PreparedRun
 from .finite_guard import F32Switch
 from .model_parts import UnsupportedModel, checkpoint_key
 from .routing import describe, foreign, routed
-from .settings import PART_LABELS
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,9 @@ class RoutingSession:
             # drop its work from the picture, so the part runs its way, in PyTorch, and the status says so
             why = f"another extension replaced its {route.method} before this generation: {describe(other)}"
             self._foreign[(id(route.module), route.method)] = [why, _reached(entry), 0, True]
-            logger.warning("Accelerate with OpenVINO: %s (%s) runs in PyTorch: %s", PART_LABELS[entry.part],
+            logger.warning("Accelerate with OpenVINO: %s (%s) runs in PyTorch: %s", PART_NAMES[entry.part],
                            entry.label, why)
-            self._on_unsupported(PART_LABELS[entry.part], why)
+            self._on_unsupported(PART_NAMES[entry.part], why)
         self._stack.enter_context(routed(tuple(taken)))
         self._routed.update((id(r.module), r.method) for r, _e in new)
 
@@ -140,8 +141,8 @@ class RoutingSession:
                     if not seen[3] and _reached(entry) == seen[1]:
                         seen[3] = True
                         logger.warning("Accelerate with OpenVINO: %s (%s) ran in PyTorch: %s",
-                                       PART_LABELS[entry.part], entry.label, seen[0])
-                        self._on_unsupported(PART_LABELS[entry.part], seen[0])
+                                       PART_NAMES[entry.part], entry.label, seen[0])
+                        self._on_unsupported(PART_NAMES[entry.part], seen[0])
 
     def follow(self, model: Any) -> None:
         """Route ``model`` if it is a model (or holds module objects) this session has not routed yet."""
@@ -187,7 +188,7 @@ class RoutingSession:
         if seen[1] >= 2 and not seen[2] and _reached(entry) == seen[0]:
             seen[2] = True
             logger.warning("Accelerate with OpenVINO: UNet (%s) ran in PyTorch: %s", entry.label, BYPASSED)
-            self._on_unsupported(PART_LABELS[entry.part], BYPASSED)
+            self._on_unsupported(PART_NAMES[entry.part], BYPASSED)
 
     def checkpoints(self) -> list[str]:
         """Checkpoint keys of every model this session routed."""

@@ -11,29 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ov_accelerate_sd.backends import BackendChoice
 from ov_accelerate_sd.openvino_entry import NO_PARTS, NOTE_SEPARATOR, PART_NAMES, SLOTS, format_entry
 from ov_accelerate_sd.parts import PARTS
 
 from .backend_bridge import ov_backend
 
 logger = logging.getLogger(__name__)
-
-PRECISION_AUTO = "Automatic (fastest the device supports)"
-PRECISION_F32 = "Full precision (f32)"
-PRECISION_INT8 = "INT8 UNet (calibrated on your first generation; needs NNCF)"
-PRECISIONS: tuple[str, ...] = (PRECISION_AUTO, PRECISION_F32, PRECISION_INT8)
-
-#: Part name (``ov_accelerate_sd.parts.PARTS``, in that order) -> short name used in the infotext and the status.
-PART_LABELS: dict[str, str] = PART_NAMES
-#: Precision label -> its name in ov_backend's precision table (``ov_backend.PRECISIONS``), which
-#: is also how the infotext writes it and what :func:`build_settings` accepts besides the label. The
-#: backend maps the name to the plugin's properties.
-PRECISION_NAMES: dict[str, str] = {PRECISION_AUTO: "auto", PRECISION_F32: "f32", PRECISION_INT8: "int8"}
-
 
 def _meta(label: str, hint: str) -> dict[str, str]:
     return {"label": label, "hint": hint}
@@ -70,7 +58,7 @@ class AccelerateSettings:
     )
     """Route the text encoder(s) through OpenVINO."""
     precision: str = field(
-        default=PRECISION_AUTO,
+        default=ov_backend.DEFAULT_PRECISION,
         metadata=_meta(
             "Precision",
             "Automatic lets the device use its fastest precision (bf16/f16 where supported; "
@@ -80,7 +68,8 @@ class AccelerateSettings:
             "kept in the disk cache); the VAE and text encoder stay at Automatic.",
         ),
     )
-    """One of :data:`PRECISIONS`."""
+    """A name of ``ov_backend.PRECISIONS``: "auto", "f32" or "int8" (the panel shows them with labels,
+    ``options.PRECISION_LABELS``)."""
     model_caching: bool = field(
         default=True,
         metadata=_meta(
@@ -103,14 +92,10 @@ class AccelerateSettings:
         """The parts to accelerate, in ``PARTS`` order."""
         return tuple(name for name in PARTS if getattr(self, name))
 
-    def backend_options(self, default_cache_dir: str) -> dict[str, Any]:
-        """The options handed to ``ov_backend.build_settings``."""
-        return {
-            "device": self.device,
-            "model_caching": self.model_caching,
-            "cache_dir": self.cache_dir or default_cache_dir,
-            "precision": PRECISION_NAMES[self.precision],
-        }
+    def backend_choice(self, default_cache_dir: str) -> BackendChoice:
+        """The backend these settings choose (the cache folder ``default_cache_dir`` when none is given)."""
+        return BackendChoice(device=self.device, precision=self.precision, model_caching=self.model_caching,
+                             cache_dir=self.cache_dir or default_cache_dir)
 
     def infotext(self) -> str:
         """The value of the "OpenVINO" infotext entry, e.g. "CPU, UNet+VAE+TE, f32" (see :func:`format_infotext`)."""
@@ -140,24 +125,21 @@ class InfotextItem(NamedTuple):
 #: precision. The fields not listed (model_caching, cache_dir) belong to this machine, not to the image.
 INFOTEXT_ITEMS: tuple[InfotextItem, ...] = (
     InfotextItem("device", "device", 0),
-    *(InfotextItem(part, PART_LABELS[part], 1) for part in PARTS),
-    InfotextItem("precision", "precision", 2, PRECISION_NAMES),
+    *(InfotextItem(part, PART_NAMES[part], 1) for part in PARTS),
+    InfotextItem("precision", "precision", 2, {name: name for name in ov_backend.PRECISIONS}),
 )
-INFOTEXT_SLOTS = SLOTS
-#: Separates the entry from a note the run added (e.g. "CPU, UNet+VAE+TE, auto; refiner in PyTorch").
-INFOTEXT_NOTE_SEPARATOR = NOTE_SEPARATOR
 
 
 def format_infotext(settings: AccelerateSettings) -> str:
     """The value of the "OpenVINO" infotext entry (``ov_accelerate_sd.openvino_entry``, the command line's
     too), e.g. "CPU, UNet+VAE+TE, f32"."""
-    return format_entry(settings.device, settings.parts, PRECISION_NAMES[settings.precision])
+    return format_entry(settings.device, settings.parts, settings.precision)
 
 
 def parse_infotext(text: str) -> tuple[dict[str, Any], list[str]]:
     """Read an "OpenVINO" infotext entry back into settings field values.
 
-    A note after :data:`INFOTEXT_NOTE_SEPARATOR` is ignored. A slot that cannot be read (an unknown
+    A note after ``openvino_entry.NOTE_SEPARATOR`` is ignored. A slot that cannot be read (an unknown
     part or precision, a wrong number of slots) gives no values, only a problem saying what was wrong
     and what would be right; the other slots are still read.
 
@@ -165,9 +147,9 @@ def parse_infotext(text: str) -> tuple[dict[str, Any], list[str]]:
         (field name -> value, problems). Values are those of :class:`AccelerateSettings` (the device as
         written, e.g. "GPU.0"; whether it exists on this machine is for the caller to check).
     """
-    entry = text.split(INFOTEXT_NOTE_SEPARATOR, 1)[0].strip()
-    slots = [s.strip() for s in entry.rsplit(", ", INFOTEXT_SLOTS - 1)]
-    if len(slots) != INFOTEXT_SLOTS:
+    entry = text.split(NOTE_SEPARATOR, 1)[0].strip()
+    slots = [s.strip() for s in entry.rsplit(", ", SLOTS - 1)]
+    if len(slots) != SLOTS:
         return {}, [f"expected 'device, parts, precision' (e.g. {DEFAULTS.infotext()!r}), got {text!r}"]
     values: dict[str, Any] = {}
     problems: list[str] = []
@@ -207,7 +189,8 @@ def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None
     """Build validated settings from a mapping; missing keys take the defaults.
 
     Args:
-        values: field name -> value. A device may be given as a panel label ("GPU.0: Intel ...").
+        values: field name -> value. A device may be given as a panel label ("GPU.0: Intel ..."); a precision
+            by its name (the panel's labels are read by ``ui.panel_values``).
         device_names: the devices OpenVINO sees (from the loaded backend); the device is checked
             against them by ov_backend's device rule (``ov_backend.check_device``). None
             skips the device check.
@@ -226,23 +209,22 @@ def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None
     if device_names is not None:
         device = ov_backend.check_device(device, device_names)
     merged["device"] = device
-    by_name = {name: value for value, name in PRECISION_NAMES.items()}
-    precision = by_name.get(merged["precision"], merged["precision"])
-    if precision not in PRECISIONS:
-        raise ValueError(f"Unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
-    merged["precision"] = precision
+    if merged["precision"] not in ov_backend.PRECISIONS:
+        raise ValueError(f"Unknown precision {merged['precision']!r}; choose one of {list(ov_backend.PRECISIONS)}")
     merged["cache_dir"] = str(merged["cache_dir"] or "").strip()
     return AccelerateSettings(**merged)
 
 
-def from_ui_args(args: Sequence[Any], device_names: Sequence[str] | None = None) -> AccelerateSettings:
-    """Settings from ``run(p, *args)``: positional in field order; missing trailing args take defaults."""
+def from_ui_args(args: Sequence[Any], device_names: Sequence[str] | None = None,
+                 read: Callable[[Mapping[str, Any]], Mapping[str, Any]] = dict) -> AccelerateSettings:
+    """Settings from ``run(p, *args)``: positional in field order; missing trailing args take defaults.
+    ``read`` turns the values as the caller has them into field values (the panel's: ``options.panel_values``)."""
     if len(args) > len(FIELD_NAMES):
         raise ValueError(
             f"Accelerate with OpenVINO takes at most {len(FIELD_NAMES)} script_args "
             f"({', '.join(FIELD_NAMES)}), got {len(args)}"
         )
-    return build_settings(dict(zip(FIELD_NAMES, args)), device_names)
+    return build_settings(read(dict(zip(FIELD_NAMES, args))), device_names)
 
 
 def device_from_label(label: str) -> str:

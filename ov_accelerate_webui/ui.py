@@ -7,6 +7,7 @@ ids and hover hints reach the JavaScript through one hidden JSON block (``CONFIG
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -18,7 +19,21 @@ from ov_accelerate_sd.parts import PARTS
 from . import host
 from .backend_bridge import BackendUnavailable
 from .infotext import expand_pasted
-from .settings import DEFAULTS, FIELD_NAMES, FIELDS, PRECISIONS, build_settings
+from .options import (
+    ENABLE_ALWAYS_LABEL,
+    ENABLE_ALWAYS_OPTION,
+    KEEP_SIZES_LABEL,
+    KEEP_SIZES_OPTION,
+    PRECISION_LABELS,
+    PREVIOUS_WEIGHTS_CHOICES,
+    PREVIOUS_WEIGHTS_LABEL,
+    PREVIOUS_WEIGHTS_OPTION,
+    SECTION,
+    option_key,
+    panel_values,
+    read_options,
+)
+from .settings import DEFAULTS, FIELD_NAMES, FIELDS, build_settings
 from .status import to_html
 
 logger = logging.getLogger(__name__)
@@ -30,8 +45,6 @@ logger = logging.getLogger(__name__)
 #: ``run``); the same status is also in ``Processed.comments``, shown in that element.
 RESULT_ELEM_ID = "html_info_{tab}"
 
-SECTION = ("openvino", "OpenVINO")
-OPTION_PREFIX = "openvino_"
 CONFIG_CLASS = "ov-accelerate-config"
 
 #: Extra controls beyond the settings fields: element-id suffix -> (label, hover hint).
@@ -49,46 +62,6 @@ EXTRA_CONTROLS: dict[str, tuple[str, str]] = {
         "What ran in OpenVINO, what fell back to PyTorch and why, times, cache hits, device.",
     ),
 }
-
-
-#: Settings-tab option: keep the compiled models of every size in memory, not only the last generation's.
-KEEP_SIZES_OPTION = OPTION_PREFIX + "keep_all_sizes"
-KEEP_SIZES_LABEL = (
-    "Keep every compiled size in memory (a size seen before never compiles again). On the CPU one model "
-    "compiled for all sizes serves them (up to about 12% slower per step where measured); on other devices "
-    "each size holds its own copy of the weights: about 1.7 GB for an SD 1.5 UNet at bf16. Off: the sizes of the last "
-    "generation stay compiled, another costs at most a compile of seconds, never a conversion."
-)
-
-
-#: Settings-tab option: what happens to the compiled models of the weights used before a LoRA or checkpoint
-#: change (the backend's ``previous_weights``, for each generation).
-PREVIOUS_WEIGHTS_OPTION = OPTION_PREFIX + "previous_weights"
-PREVIOUS_WEIGHTS_CHOICES = ("auto", "keep", "release")
-PREVIOUS_WEIGHTS_LABEL = (
-    "Compiled models of the checkpoint or LoRA used before a change: keep them in memory, so going back "
-    "compiles nothing (about 1.7 GB for an SD 1.5 UNet at bf16), or release them, also from parts not called "
-    "since the change (a long prompt's UNet). auto: keep them while a third of the machine's memory is free"
-)
-
-
-#: Settings-tab option: the always-on section's Enable is on by default (new page loads, API requests that do
-#: not send the section's arguments).
-ENABLE_ALWAYS_OPTION = OPTION_PREFIX + "enable_always"
-ENABLE_ALWAYS_LABEL = (
-    "Enable for every generation: the OpenVINO section of txt2img and img2img starts enabled (on a new page "
-    "load; API requests that do not send the section's arguments after a restart of the WebUI)"
-)
-
-
-def option_key(name: str) -> str:
-    """Settings-tab key of a settings field, e.g. "openvino_device"."""
-    return OPTION_PREFIX + name
-
-
-def panel_defaults() -> dict[str, Any]:
-    """Field values from the Settings tab, falling back to the dataclass defaults."""
-    return {f.name: host.option(option_key(f.name), getattr(DEFAULTS, f.name)) for f in FIELDS}
 
 
 def _device_choices(extension: Any) -> list[tuple[str, str]]:
@@ -122,7 +95,7 @@ class Panel:
 def build_panel(script: Any, extension: Any, is_img2img: bool) -> Panel:
     """Build the panel in the script's accordion."""
     gr = host.gradio()
-    defaults = panel_defaults()
+    defaults = dataclasses.asdict(read_options().panel)
     choices = _device_choices(extension)
     labels = [label for label, _name in choices]
     ids = {name: script.elem_id(name) for name in (*FIELD_NAMES, *EXTRA_CONTROLS)}
@@ -149,8 +122,8 @@ def build_panel(script: Any, extension: Any, is_img2img: bool) -> Panel:
                 fields[name] = gr.Checkbox(label=meta[name]["label"], value=bool(defaults[name]), elem_id=ids[name])
         fields["precision"] = gr.Radio(
             label=meta["precision"]["label"],
-            choices=list(PRECISIONS),
-            value=defaults["precision"],
+            choices=list(PRECISION_LABELS.values()),
+            value=PRECISION_LABELS[defaults["precision"]],
             elem_id=ids["precision"],
         )
         with gr.Row():
@@ -268,7 +241,7 @@ class PanelHandlers:
     def precompile(self, sizes: str, batch: float, *args: Any) -> Iterator[tuple[str, str]]:
         """Compile the sizes; yields (progress, ready sizes) while it runs."""
         try:
-            settings = build_settings(dict(zip(FIELD_NAMES, args)))
+            settings = build_settings(panel_values(dict(zip(FIELD_NAMES, args))))
             for line in self.extension.precompile(sizes, int(batch or 1), settings):
                 yield line, self.extension.ready_sizes_text()
         except (ValueError, BackendUnavailable) as exc:
@@ -290,8 +263,8 @@ def on_infotext_pasted(extension: Any, infotext: str, params: dict[str, Any]) ->
     """A1111's ``on_infotext_pasted`` callback: put the "OpenVINO" entry's values under the keys of the
     panel's ``infotext_fields`` (see :func:`infotext.expand_pasted`); what cannot be pasted is also
     shown to the user as a gradio warning."""
-    default = bool(host.option(ENABLE_ALWAYS_OPTION, False))
-    for problem in expand_pasted(params, _device_choices(extension), section_default=default):
+    default = read_options().enable_always
+    for problem in expand_pasted(params, _device_choices(extension), PRECISION_LABELS, section_default=default):
         host.gradio().Warning(f"Accelerate with OpenVINO: not pasted: {problem}")
 
 
@@ -301,12 +274,14 @@ def add_settings_section(extension: Any) -> None:
     choices = [name for _label, name in _device_choices(extension)]
     for f in FIELDS:
         kwargs: dict[str, Any] = {}
+        default = getattr(DEFAULTS, f.name)
         if f.name == "device":
             kwargs = {"component": gr.Dropdown, "component_args": {"choices": choices}}
         elif f.name == "precision":
-            kwargs = {"component": gr.Radio, "component_args": {"choices": list(PRECISIONS)}}
+            kwargs = {"component": gr.Radio, "component_args": {"choices": list(PRECISION_LABELS.values())}}
+            default = PRECISION_LABELS[default]
         label = f"{f.metadata['label']} (default of the panel)"
-        host.add_option(option_key(f.name), getattr(DEFAULTS, f.name), label, SECTION, **kwargs)
+        host.add_option(option_key(f.name), default, label, SECTION, **kwargs)
     host.add_option(ENABLE_ALWAYS_OPTION, False, ENABLE_ALWAYS_LABEL, SECTION)
     host.add_option(KEEP_SIZES_OPTION, False, KEEP_SIZES_LABEL, SECTION)
     host.add_option(PREVIOUS_WEIGHTS_OPTION, "auto", PREVIOUS_WEIGHTS_LABEL, SECTION, component=gr.Radio,

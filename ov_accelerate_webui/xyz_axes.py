@@ -18,9 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import host
-from .backend_bridge import BackendUnavailable
+from .backend_bridge import BackendUnavailable, ov_backend
 from .section import ENABLED, OVERRIDE_ATTR
-from .settings import PRECISION_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ def _parse_enabled(text: str) -> bool:
 
 def axes(extension: Any) -> list[tuple[str, Callable[..., Any], Callable[[], list[str]], Callable[..., None]]]:
     """(label, apply, choices, confirm) of each axis."""
-    precisions = list(dict.fromkeys(PRECISION_NAMES.values()))
+    precisions = list(ov_backend.PRECISIONS)
 
     def devices() -> list[str]:
         try:

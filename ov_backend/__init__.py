@@ -19,10 +19,12 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+#: The name of the backend in ``torch.compile(..., backend=...)``.
+BACKEND_NAME = "ov_backend"
+
 #: public name -> the module that defines it
 _EXPORTS = {
     # the backend
-    "BACKEND_NAME": "ov_backend.backend",
     "OVBackend": "ov_backend.backend",
     "ov_backend": "ov_backend.backend",
     "OpenVINOFallbackError": "ov_backend.context",
@@ -67,7 +69,7 @@ __all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "
     "Stats", "why_eager"]
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
-    from ov_backend.backend import BACKEND_NAME, OVBackend, ov_backend
+    from ov_backend.backend import OVBackend, ov_backend
     from ov_backend.cache import CacheEntry, ModelCache
     from ov_backend.compiled_method import CompiledMethod, input_signature
     from ov_backend.context import OpenVINOFallbackError
@@ -92,6 +94,14 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
+def _named_backend(gm: Any, example_inputs: Any, options: Any = None) -> Any:
+    """The named backend, loaded on its first graph (``ov_backend.backend.ov_backend``): importing this package
+    loads neither OpenVINO nor the backend's modules."""
+    from ov_backend.backend import ov_backend
+
+    return ov_backend(gm, example_inputs, options)
+
+
 def _register_name() -> None:
     """Make the name ``"ov_backend"`` usable in ``torch.compile`` through torch's public registry.
 
@@ -104,12 +114,10 @@ def _register_name() -> None:
 
     from torch._dynamo import register_backend
 
-    from ov_backend.backend import BACKEND_NAME, ov_backend
-
     if any(point.name == BACKEND_NAME for point in entry_points(group="torch_dynamo_backends")):
         return
     try:
-        register_backend(compiler_fn=ov_backend, name=BACKEND_NAME)
+        register_backend(compiler_fn=_named_backend, name=BACKEND_NAME)
     except AssertionError as err:  # dynamo's "duplicate name": registered before (or by another thread)
         if "duplicate" not in str(err):
             raise

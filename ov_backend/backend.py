@@ -7,7 +7,6 @@ options={...})`` builds an instance for each captured graph from the options.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import logging
 import threading
@@ -18,23 +17,19 @@ from typing import Any
 import openvino as ov
 import torch
 
-from ov_backend import rewrites
+from ov_backend import devices, rewrites
 from ov_backend.cache import ModelCache
 from ov_backend.compiled import CompiledGraph
 from ov_backend.context import BuildContext
 from ov_backend.inputs import GraphFacts, InputKind, classify_inputs
 from ov_backend.ops import decomposition_table
 from ov_backend.portable import PortableGraph
-from ov_backend.precision import PRECISION_CONFIG
 from ov_backend.report import CompileReport, StatsCounter
 from ov_backend.settings import PREVIOUS_WEIGHTS, BackendSettings, build_settings
 from ov_backend.variants import SharedModels, UseWindow
 from ov_backend.weights import DigestMemo
 
 logger = logging.getLogger(__name__)
-
-BACKEND_NAME = "ov_backend"
-
 
 def _version(dist: str) -> str:
     try:
@@ -51,44 +46,25 @@ class OVBackend:
             :func:`build_settings`.
     """
 
-    def __init__(self, settings: BackendSettings | Mapping[str, Any] | None = None, *,
-                 share_with: OVBackend | None = None) -> None:
+    def __init__(self, settings: BackendSettings | Mapping[str, Any] | None = None) -> None:
         self.settings = settings if isinstance(settings, BackendSettings) else build_settings(settings)
-        if share_with is not None:
-            # one backend's state under other settings (see derived())
-            self.core, self.cache, self.stats_counter = share_with.core, share_with.cache, share_with.stats_counter
-            self.versions, self.digests = share_with.versions, share_with.digests
-            self._lock, self._reports, self._graphs = share_with._lock, share_with._reports, share_with._graphs
-            window, shared = share_with.build_context.window, share_with.build_context.shared
-        else:
-            self.core = ov.Core()
-            self.cache = ModelCache(self.settings.cache_dir)
-            self.stats_counter = StatsCounter()
-            self.versions = {"openvino": ov.get_version(), "torch": torch.__version__,
-                             "ov_backend": _version("sd-webui-openvino-accelerate")}
-            #: per-tensor weight digests, shared by every graph of this backend: each weight is hashed
-            #: once while it stays unchanged (cleared by reset())
-            self.digests = DigestMemo()
-            self._lock = threading.Lock()
-            self._reports: list[CompileReport] = []
-            self._graphs: list[CompiledGraph] = []
-            window, shared = UseWindow(), SharedModels()
+        self.core = devices.shared_core()
+        self.cache = ModelCache(self.settings.cache_dir)
+        self.stats_counter = StatsCounter()
+        self.versions = {"openvino": ov.get_version(), "torch": torch.__version__,
+                         "ov_backend": _version("sd-webui-openvino-accelerate")}
+        #: per-tensor weight digests, shared by every graph of this backend: each weight is hashed
+        #: once while it stays unchanged (cleared by reset())
+        self.digests = DigestMemo()
+        self._lock = threading.Lock()
+        self._reports: list[CompileReport] = []
+        self._graphs: list[CompiledGraph] = []
         #: what compiled graphs see of this backend (compile_model is looked up here, so that a
         #: subclass's override is used)
         self.build_context = BuildContext(self.settings, self.core, self.cache, self.stats_counter,
-                                    compile_model=self.compile_model, add_report=self.add_report,
-                                    digests=self.digests, versions=self.versions, window=window, shared=shared,
-                                    release_stale=self._release_stale)
-
-    def derived(self, precision: str) -> OVBackend:
-        """A backend at another precision that shares this one's state: cache, counters, reports, weight
-        digests, use windows and compiled graphs (so :meth:`reset`, :meth:`calibrate` and :meth:`stats`
-        of either cover both). E.g. the UNet at "int8" beside the VAE at "auto"."""
-        options = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)}
-        config = dict(self.settings.config)
-        for key in PRECISION_CONFIG[self.settings.precision]:
-            config.pop(key, None)
-        return type(self)(build_settings({**options, "config": config, "precision": precision}), share_with=self)
+                                          compile_model=self.compile_model, add_report=self.add_report,
+                                          digests=self.digests, versions=self.versions, window=UseWindow(),
+                                          shared=SharedModels(), release_stale=self._release_stale)
 
     # -- dynamo entry -------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -148,9 +124,9 @@ class OVBackend:
         OpenVINO hashes the whole model (gigabytes) to find its blob, which costs more than the
         CPU's compile.
         """
-        config = self.settings.config_dict
+        config = self.settings.compile_config
         from_file = isinstance(model, Path)
-        if self.settings.model_caching and "CACHE_DIR" not in config and (from_file or not self._cpu_only()):
+        if self.settings.model_caching and "CACHE_DIR" not in config and (from_file or not self.settings.on_cpu):
             try:
                 self.cache.blob_dir.mkdir(parents=True, exist_ok=True)
                 config["CACHE_DIR"] = str(self.cache.blob_dir)
@@ -203,9 +179,6 @@ class OVBackend:
         with self._lock:
             graphs = [g for g in self._graphs if g is not asking]
         return sum(g.release_if_stale() for g in graphs)
-
-    def _cpu_only(self) -> bool:
-        return self.settings.device.split(".")[0] == "CPU"
 
     def add_report(self, report: CompileReport) -> None:
         """Keep ``report`` (the report sink of this backend's compiled graphs)."""

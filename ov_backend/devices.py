@@ -7,6 +7,7 @@ same way everywhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,14 +40,21 @@ class DeviceInfo:
         return f"{self.name}: {self.full_name}" if self.full_name else self.name
 
 
+@functools.cache
+def shared_core() -> ov.Core:
+    """The process's OpenVINO core, made on first use: every backend compiles with it and the device
+    queries ask it (a core loads each device's plugin once, on first use)."""
+    return ov.Core()
+
+
 def available_devices(core: ov.Core | None = None) -> list[str]:
     """The device names in ``openvino.Core().available_devices``."""
-    return list((core or ov.Core()).available_devices)
+    return list((core or shared_core()).available_devices)
 
 
 def device_info(core: ov.Core | None = None) -> list[DeviceInfo]:
     """Every available device with its full name and capabilities."""
-    core = core or ov.Core()
+    core = core or shared_core()
     found = []
     for name in core.available_devices:
         try:

@@ -58,9 +58,9 @@ class BackendSettings:
             name such as "GPU", "AUTO", or "HETERO:a,b" / "MULTI:a,b" / "AUTO:a,b".
         model_caching: store converted models under ``cache_dir`` and reuse them across processes.
         cache_dir: folder of the on-disk cache.
-        config: properties handed to ``openvino.Core.compile_model`` (string keys and values),
-            those of ``precision`` included.
-        precision: a name in :data:`ov_backend.precision.PRECISION_CONFIG`; its properties are part of ``config``.
+        config: the user's own properties for ``openvino.Core.compile_model`` (string keys and values);
+            :attr:`compile_config` adds those of ``precision``.
+        precision: a name in :data:`ov_backend.precision.PRECISION_CONFIG`.
         decompositions: extra aten ops to decompose before conversion.
         disabled_ops: aten ops forced to run in PyTorch.
         aot_autograd: trace through AOTAutograd before conversion.
@@ -111,10 +111,20 @@ class BackendSettings:
     previous_weights: str = "auto"
     rewrites: tuple[str, ...] = REWRITES
 
+    def __post_init__(self) -> None:
+        # checked here, not only in build_settings, so that dataclasses.replace(settings, precision=...) is
+        # checked too
+        _with_precision(self.precision, self.config)
+
     @property
-    def config_dict(self) -> dict[str, str]:
-        """``config`` as the dict ``compile_model`` takes."""
-        return dict(self.config)
+    def compile_config(self) -> dict[str, str]:
+        """The properties ``compile_model`` gets: ``config`` and those of ``precision``."""
+        return dict(_with_precision(self.precision, self.config))
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the device is the CPU ("CPU", or "CPU.0" and the like)."""
+        return self.device.split(".")[0] == "CPU"
 
     def conversion_key(self) -> dict[str, Any]:
         """The settings that change a model as converted, before a device compiles it (cache keys)."""
@@ -127,7 +137,7 @@ class BackendSettings:
 
     def result_key(self) -> dict[str, Any]:
         """The settings that change what a compiled model computes (used in cache keys)."""
-        return {"device": self.device, "config": list(self.config), **self.conversion_key()}
+        return {"device": self.device, "config": sorted(self.compile_config.items()), **self.conversion_key()}
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BackendSettings))
@@ -260,7 +270,7 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
     """
     if isinstance(options, BackendSettings):
         options = {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
-                   "config": options.config_dict}
+                   "config": dict(options.config)}
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
@@ -274,9 +284,8 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
         device=_check_device(merged.get("device", "CPU")),
         model_caching=_as_bool("model_caching", merged.get("model_caching", False)),
         cache_dir=Path(cache_dir).expanduser() if cache_dir not in (None, "") else default_cache_dir(),
-        config=_with_precision(_check_precision(merged.get("precision", DEFAULT_PRECISION)),
-                               _check_config(merged.get("config"))),
-        precision=merged.get("precision", DEFAULT_PRECISION),
+        config=_check_config(merged.get("config")),
+        precision=_check_precision(merged.get("precision", DEFAULT_PRECISION)),
         decompositions=_check_ops("decompositions", merged.get("decompositions"), known=None),
         disabled_ops=_check_ops("disabled_ops", merged.get("disabled_ops"), known=ops.SUPPORTED_OPS),
         aot_autograd=_as_bool("aot_autograd", merged.get("aot_autograd", False)),

@@ -43,7 +43,7 @@ def test_the_webui_adapter_uses_only_the_backends_public_api():
 
     import ov_backend
 
-    assert set(ov_backend.__all__) == set(ov_backend._EXPORTS)
+    assert set(ov_backend.__all__) == set(ov_backend._EXPORTS) | {"BACKEND_NAME"}
     used: set[str] = set()
     for path in sorted((ROOT / "ov_accelerate_webui").glob("*.py")):
         source = path.read_text()
@@ -52,3 +52,16 @@ def test_the_webui_adapter_uses_only_the_backends_public_api():
         used |= set(re.findall(r"\bov_backend\.(\w+)", source))
     assert used, "the adapter uses no backend name: the check reads nothing"
     assert used <= set(ov_backend.__all__), used - set(ov_backend.__all__)
+
+
+def test_importing_the_backend_or_the_adapter_loads_no_openvino():
+    """The WebUI lists the script even where openvino cannot be imported: the adapter's modules and the
+    backend's package (its name registered with dynamo) load OpenVINO only when a backend is made."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import ov_backend, ov_backend.precision, ov_accelerate_webui.extension, "
+            "ov_accelerate_webui.xyz_axes, ov_accelerate_sd.backends; print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] == 'openvino'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -10,6 +10,7 @@ oneDNN capped at AVX2.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import os
@@ -73,8 +74,9 @@ def check_int8_bound(compiled, model, seeds: tuple[int, ...] = CHECK_SEEDS) -> l
 
 
 def int8_backend(cache: Path, samples: int = 4) -> OVBackend:
-    """An "auto" backend and its INT8 sibling (as the SD layer and the WebUI adapter build them)."""
-    return OVBackend({"model_caching": True, "cache_dir": str(cache), "calibration_samples": samples}).derived("int8")
+    """A backend at "int8" (as the SD layer's backends build the UNet's)."""
+    return OVBackend({"model_caching": True, "cache_dir": str(cache), "calibration_samples": samples,
+                      "precision": "int8"})
 
 
 def run_child(body: str, env: dict[str, str] | None = None) -> str:
@@ -248,16 +250,16 @@ def test_int8_without_nncf_says_what_to_install(monkeypatch):
     assert build_settings({"precision": "auto"}).precision == "auto"
 
 
-def test_a_derived_backend_shares_counters_reports_and_cache(tmp_path):
-    base = OVBackend({"model_caching": True, "cache_dir": str(tmp_path / "cache"), "precision": "f32"})
-    int8 = base.derived("int8")
-    assert int8.settings.precision == "int8" and dict(int8.settings.config) == {}
-    assert base.settings.config_dict == {"INFERENCE_PRECISION_HINT": "f32"}
-    assert int8.cache is base.cache and int8.stats_counter is base.stats_counter
-    compiled = torch.compile(ConvAttention().eval(), backend=int8)
+def test_settings_at_int8_by_replace_keep_the_users_config_only(tmp_path):
+    base = build_settings({"cache_dir": str(tmp_path / "cache"), "precision": "f32"})
+    int8 = dataclasses.replace(base, precision="int8")
+    assert (int8.precision, int8.config, int8.compile_config) == ("int8", (), {})
+    assert base.compile_config == {"INFERENCE_PRECISION_HINT": "f32"} and base.config == ()
+    backend = OVBackend(int8)
+    compiled = torch.compile(ConvAttention().eval(), backend=backend)
     with torch.no_grad():
         compiled(*inputs(0))
-    assert len(base.reports) == 1 and base.stats()["ov_calls"] == 1
+    assert len(backend.reports) == 1 and backend.stats()["ov_calls"] == 1
 
 
 def test_the_bound_holds_without_vnni(tmp_path):
@@ -270,7 +272,7 @@ def test_the_bound_holds_without_vnni(tmp_path):
         from ov_backend import OVBackend, quantize
         assert not quantize.exact_int8_dot_products()
         backend = OVBackend({{"model_caching": True, "cache_dir": {str(tmp_path / 'cache')!r}, "calibration_samples": 8,
-                             "config": {{"INFERENCE_PRECISION_HINT": "f32"}}}}).derived("int8")
+                             "config": {{"INFERENCE_PRECISION_HINT": "f32"}}, "precision": "int8"}})
         model = ConvAttention().eval()
         compiled = torch.compile(model, backend=backend)
         with torch.no_grad():

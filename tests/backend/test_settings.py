@@ -97,7 +97,7 @@ def test_frozen_and_replace():
         s.device = "GPU"  # type: ignore[misc]
     t = dataclasses.replace(s, strict=True)
     assert t.strict and not s.strict
-    assert s.config_dict == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert s.compile_config == {"INFERENCE_PRECISION_HINT": "f32"}
     assert build_settings(t) == t
     assert isinstance(t, BackendSettings)
 
@@ -132,11 +132,17 @@ def test_the_device_rule(device: str, accepted: bool) -> None:
 
 
 def test_precision_names_map_to_the_plugin_hint() -> None:
-    assert build_settings({"precision": "f32"}).config_dict == {"INFERENCE_PRECISION_HINT": "f32"}
-    assert build_settings({"precision": "auto"}).config_dict == {}
+    f32 = build_settings({"precision": "f32"})
+    assert (f32.config, f32.compile_config) == ((), {"INFERENCE_PRECISION_HINT": "f32"})
+    assert build_settings({"precision": "auto"}).compile_config == {}
     assert build_settings({}).precision == "auto"
     again = build_settings(build_settings({"precision": "f32"}))
-    assert (again.precision, again.config_dict) == ("f32", {"INFERENCE_PRECISION_HINT": "f32"})
+    assert (again.precision, again.compile_config) == ("f32", {"INFERENCE_PRECISION_HINT": "f32"})
+    # the settings hold the user's config and the precision's name apart: replace() just works, and is checked
+    assert dataclasses.replace(f32, precision="auto").compile_config == {}
+    assert dataclasses.replace(f32, precision="auto").result_key() == build_settings({}).result_key()
+    with pytest.raises(ValueError, match="INFERENCE_PRECISION_HINT=bf16; give one of them"):
+        dataclasses.replace(build_settings({"config": {"INFERENCE_PRECISION_HINT": "bf16"}}), precision="f32")
     with pytest.raises(ValueError, match=r"'precision' must be one of \['auto', 'f32', 'int8'\], got 'bf16'"):
         build_settings({"precision": "bf16"})
     with pytest.raises(ValueError, match="INFERENCE_PRECISION_HINT=bf16; give one of them"):

@@ -18,15 +18,15 @@ from ov_accelerate_sd.tokenizer import VOCAB_SIZE, clip_tokenizer
 # -- settings ---------------------------------------------------------------------------------
 
 
-def test_settings_defaults_and_backend_options() -> None:
+def test_settings_defaults_and_backend_choice() -> None:
     settings = build_sd_settings({"precision": "f32", "cache_dir": "/x", "accelerate": "unet,vae"})
     assert settings.accelerate == ("unet", "vae")
     from ov_backend import build_settings
 
-    backend = build_settings(settings.to_backend_options())
+    backend = build_settings(settings.backend_choice().options())
     assert (backend.device, backend.model_caching, str(backend.cache_dir)) == ("CPU", True, "/x")
-    assert backend.config_dict == {"INFERENCE_PRECISION_HINT": "f32"}
-    assert build_settings(build_sd_settings().to_backend_options()).config_dict == {}
+    assert backend.compile_config == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert build_settings(build_sd_settings().backend_choice().options()).compile_config == {}
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.device = "GPU"  # type: ignore[misc]
 

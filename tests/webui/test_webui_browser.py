@@ -191,7 +191,7 @@ def test_last_run_updates_after_generate_without_refresh(
 def test_pasting_an_infotext_restores_the_script_and_its_panel(served_panel: tuple[str, Any], browser: Any) -> None:
     """A1111's "Read generation parameters" (the tools row's paste button) with an infotext in the prompt."""
     from ov_accelerate_webui.infotext import TITLE
-    from ov_accelerate_webui.settings import PRECISION_AUTO, PRECISION_F32
+    from ov_accelerate_webui.options import PRECISION_LABELS
 
     url, script = served_panel
     browser.get(url)
@@ -216,7 +216,8 @@ def test_pasting_an_infotext_restores_the_script_and_its_panel(served_panel: tup
 
     before = panel()
     assert before["script"] == TITLE and before["device"].startswith("CPU: ")
-    assert (before["unet"], before["vae"], before["te"], before["precision"]) == (True, True, True, PRECISION_AUTO)
+    assert (before["unet"], before["vae"], before["te"]) == (True, True, True)
+    assert before["precision"] == PRECISION_LABELS["auto"]
 
     paste("a dog\nNegative prompt: cat\nSteps: 20, Sampler: Euler a, Seed: 1, Size: 64x64")
     wait.until(lambda d: panel()["script"] == "None")
@@ -225,7 +226,8 @@ def test_pasting_an_infotext_restores_the_script_and_its_panel(served_panel: tup
     paste('a cat\nSteps: 1, Seed: 1, Script: Accelerate with OpenVINO, OpenVINO: "CPU, UNet, f32"')
     wait.until(lambda d: panel()["script"] == TITLE)
     after = panel()
-    assert (after["unet"], after["vae"], after["te"], after["precision"]) == (True, False, False, PRECISION_F32)
+    assert (after["unet"], after["vae"], after["te"]) == (True, False, False)
+    assert after["precision"] == PRECISION_LABELS["f32"]
     assert after["device"] == before["device"]
 
     # A device this machine lacks: the panel keeps its device, the rest is pasted, the user is told.

@@ -107,7 +107,9 @@ def test_a_checkpoint_loaded_in_place_keeps_the_routes(fake_host: Any, extension
     sd_models = fake_host.sd_models
     info_a = fake_host.model.sd_checkpoint_info
     first = extension.run(make_p(fake_host), settings)
-    backend = extension.accelerator().prepare(fake_host.model, settings, "unused", window="continue").backend
+    accelerator = extension.accelerator()
+    run = accelerator.prepare(fake_host.model, settings, "unused", window="continue")
+    backend = accelerator.backend_of(run, "unet")
     graphs = len(backend.reports)
     info_b = sd_models.CheckpointInfo(str(tmp_path / "same-arch.ckpt"), "c" * 64, config=info_a.config,
                                       factory=lambda: fake_host.make_model(seed=11)).register()
@@ -118,7 +120,7 @@ def test_a_checkpoint_loaded_in_place_keeps_the_routes(fake_host: Any, extension
     assert max_pixel_diff(baseline, first) > IMAGE_TOLERANCE, "another checkpoint, another picture"
     switched = extension.run(make_p(fake_host), settings)
     assert max_pixel_diff(switched, baseline) <= IMAGE_TOLERANCE
-    assert extension.accelerator().prepare(model, settings, "unused", window="continue").backend is backend
+    assert accelerator.backend_of(accelerator.prepare(model, settings, "unused", window="continue"), "unet") is backend
 
     kept = extension.last_run_report()
     assert ("Kept " in kept["status"]) == (available > 1 / 3), kept["status"]

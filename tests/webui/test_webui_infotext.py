@@ -16,23 +16,19 @@ from typing import Any
 import pytest
 from conftest import make_p
 
+from ov_accelerate_sd.openvino_entry import SLOTS
 from ov_accelerate_webui.extension import Extension
 from ov_accelerate_webui.infotext import ENTRY_KEY, SCRIPT_KEY, TITLE, generation_params
-from ov_accelerate_webui.settings import (
-    FIELD_NAMES,
-    INFOTEXT_ITEMS,
-    INFOTEXT_SLOTS,
-    PRECISION_AUTO,
-    PRECISION_F32,
-    build_settings,
-    from_ui_args,
-    parse_infotext,
-)
+from ov_accelerate_webui.options import PRECISION_LABELS, panel_values
+from ov_accelerate_webui.settings import FIELD_NAMES, INFOTEXT_ITEMS, build_settings, from_ui_args, parse_infotext
+
+PRECISION_F32 = PRECISION_LABELS["f32"]
+"""The panel's precision control at f32."""
 
 #: Settings -> the entry, worked out by hand.
 ENTRIES = [
     ({}, "CPU, UNet+VAE+TE, auto"),
-    ({"device": "GPU.0", "vae": False, "precision": PRECISION_F32}, "GPU.0, UNet+TE, f32"),
+    ({"device": "GPU.0", "vae": False, "precision": "f32"}, "GPU.0, UNet+TE, f32"),
     ({"text_encoder": False, "unet": False}, "CPU, VAE, auto"),
     (
         {"device": "HETERO:GPU.0,CPU", "unet": False, "vae": False, "text_encoder": False},
@@ -49,7 +45,7 @@ def test_infotext_table_covers_each_field_once() -> None:
     names = [item.name for item in INFOTEXT_ITEMS]
     assert len(set(fields)) == len(fields) and len(set(names)) == len(names)
     assert set(fields) | NOT_IN_INFOTEXT == set(FIELD_NAMES) and not set(fields) & NOT_IN_INFOTEXT
-    assert sorted({item.slot for item in INFOTEXT_ITEMS}) == list(range(INFOTEXT_SLOTS))
+    assert sorted({item.slot for item in INFOTEXT_ITEMS}) == list(range(SLOTS))
     for item in INFOTEXT_ITEMS:
         if item.spellings is not None:  # every value of the field has a spelling, and spellings differ
             assert len(set(item.spellings.values())) == len(item.spellings)
@@ -79,7 +75,7 @@ def test_entry_notes_are_written_after_it_and_ignored_when_read() -> None:
         "OpenVINO": "CPU, UNet+TE, f32; tiny-refiner in PyTorch; hires, model in PyTorch",
     }
     assert parse_infotext(written["OpenVINO"]) == (
-        {"device": "CPU", "unet": True, "vae": False, "text_encoder": True, "precision": PRECISION_F32},
+        {"device": "CPU", "unet": True, "vae": False, "text_encoder": True, "precision": "f32"},
         [],
     )
 
@@ -88,10 +84,10 @@ def test_entry_notes_are_written_after_it_and_ignored_when_read() -> None:
     ("entry", "values", "problem"),
     [
         ("CPU, UNet+VAE+TE, bf16", {"device": "CPU", "unet": True, "vae": True, "text_encoder": True}, "'bf16'"),
-        ("GPU.1, UNet+LoRA, f32", {"device": "GPU.1", "precision": PRECISION_F32}, "['LoRA']"),
-        ("CPU, , auto", {"device": "CPU", "precision": PRECISION_AUTO}, "unknown part"),
+        ("GPU.1, UNet+LoRA, f32", {"device": "GPU.1", "precision": "f32"}, "['LoRA']"),
+        ("CPU, , auto", {"device": "CPU", "precision": "auto"}, "unknown part"),
         ("CPU", {}, "expected 'device, parts, precision'"),
-        (", UNet, auto", {"unet": True, "vae": False, "text_encoder": False, "precision": PRECISION_AUTO}, "empty"),
+        (", UNet, auto", {"unet": True, "vae": False, "text_encoder": False, "precision": "auto"}, "empty"),
     ],
 )
 def test_unreadable_slots_are_left_out_with_the_reason(entry: str, values: dict[str, Any], problem: str) -> None:
@@ -161,7 +157,7 @@ def test_pasting_a_generated_infotext_restores_the_script_and_its_panel(
     }
     # Generate after the paste: run() gets back the settings of the image (the cache is this machine's).
     args = [pasted.get(c.elem_id, c.value) for c in runner.inputs[script.args_from : script.args_to]]
-    again = from_ui_args(args, extension.device_names())
+    again = from_ui_args(args, extension.device_names(), read=panel_values)
     assert dataclasses.replace(again, cache_dir=used.cache_dir) == used
 
 
@@ -183,7 +179,7 @@ def test_an_infotext_from_before_the_script_entry_still_selects_the_script(
         False,
         False,
         True,
-        PRECISION_AUTO,
+        PRECISION_LABELS["auto"],
     ]
 
 

@@ -84,7 +84,6 @@ def test_switching_precision_releases_the_other_precisions_unet(
     import gc
     import weakref
 
-    from ov_accelerate_webui.settings import PRECISION_F32, PRECISION_NAMES
     from ov_backend import runtime
 
     compiled_models: list[weakref.ref] = []
@@ -98,8 +97,7 @@ def test_switching_precision_releases_the_other_precisions_unet(
         gc.collect()
         return sum(ref() is not None for ref in compiled_models)
 
-    auto_label = next(label for label, short in PRECISION_NAMES.items() if short == "auto")
-    auto = dataclasses.replace(int8, precision=auto_label)
+    auto = dataclasses.replace(int8, precision="auto")
     monkeypatch.setattr(runtime.OVRunner, "__init__", tracked)
     extension.run(make_p(fake_host, steps=3), auto)
     at_auto = alive()  # UNet, VAE decoder and text encoder
@@ -117,6 +115,6 @@ def test_switching_precision_releases_the_other_precisions_unet(
     assert alive() == at_auto and len(back.images) == 1
 
     # another backend (f32): the release of the auto builds is reported in its run's status too
-    extension.run(make_p(fake_host, steps=3), dataclasses.replace(int8, precision=PRECISION_F32))
+    extension.run(make_p(fake_host, steps=3), dataclasses.replace(int8, precision="f32"))
     assert "Released 3 compiled model(s)" in extension.last_status, extension.last_status
     assert alive() == at_auto

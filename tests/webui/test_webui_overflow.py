@@ -45,7 +45,7 @@ class Overflowing:
     def __init__(self, settings: Any, inner: Callable[[Any], Any], hit: Hit, also_f32: bool, runs: dict) -> None:
         self._inner = inner(settings)
         self.settings = self._inner.settings
-        self.precision = dict(self.settings.config).get("INFERENCE_PRECISION_HINT", "auto")
+        self.precision = self.settings.precision
         self._hit, self._runs = hit, runs
         self._poison = self.precision != "f32" or also_f32
 
@@ -81,6 +81,12 @@ class Overflowing:
 
     def start_window(self, previous_weights: str | None = None) -> None:
         self._inner.start_window(previous_weights)
+
+    def stop_windows(self) -> None:
+        self._inner.stop_windows()
+
+    def calibrate(self) -> int:
+        return self._inner.calibrate()
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ from conftest import make_p
 from ov_accelerate_webui import create_extension
 from ov_accelerate_webui.backend_bridge import BackendApi
 from ov_accelerate_webui.extension import Extension
-from ov_accelerate_webui.settings import FIELD_NAMES, PRECISION_AUTO, PRECISION_F32, from_ui_args
+from ov_accelerate_webui.options import PRECISION_LABELS, panel_values
+from ov_accelerate_webui.settings import FIELD_NAMES, from_ui_args
 from ov_accelerate_webui.ui import PanelHandlers, option_key
 
 
@@ -51,13 +52,13 @@ def test_panel_builds_with_controls_in_field_order(fake_host: Any, extension: Ex
 
 def test_each_control_reaches_backend_settings(fake_host: Any, extension: Extension, tmp_path: Path) -> None:
     device_label = next(label for label, name in extension.device_choices() if name == "CPU")
-    ui_values = [device_label, False, True, True, PRECISION_F32, False, str(tmp_path / "cache")]
-    settings = from_ui_args(ui_values, extension.device_names())
+    ui_values = [device_label, False, True, True, PRECISION_LABELS["f32"], False, str(tmp_path / "cache")]
+    settings = from_ui_args(ui_values, extension.device_names(), read=panel_values)
     prepared = extension.accelerator().prepare(fake_host.model, settings, "unused")
-    backend = prepared.backend.settings
+    backend = extension.accelerator().backends.existing(prepared.choice.for_part("vae")).settings
     assert backend.device == "CPU" and backend.model_caching is False
     assert Path(backend.cache_dir) == tmp_path / "cache"
-    assert dict(backend.config) == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert backend.compile_config == {"INFERENCE_PRECISION_HINT": "f32"}
     assert "model.diffusion_model" not in [r.label for r in prepared.routes]
     assert {r.label for r in prepared.routes} == {
         "first_stage_model.decoder",
@@ -65,11 +66,11 @@ def test_each_control_reaches_backend_settings(fake_host: Any, extension: Extens
         "cond_stage_model.wrapped.transformer.text_model.encoder",
     }
 
-    auto = from_ui_args(["CPU", True, False, False, PRECISION_AUTO, True, ""], extension.device_names())
+    auto = from_ui_args(["CPU", True, False, False, "auto", True, ""], extension.device_names())
     prepared = extension.accelerator().prepare(fake_host.model, auto, str(tmp_path / "default"))
-    assert dict(prepared.backend.settings.config) == {}
-    assert prepared.backend.settings.model_caching is True
-    assert Path(prepared.backend.settings.cache_dir) == tmp_path / "default"
+    backend = extension.accelerator().backends.existing(prepared.choice.for_part("unet")).settings
+    assert backend.compile_config == {} and backend.model_caching is True
+    assert Path(backend.cache_dir) == tmp_path / "default"
     assert [r.label for r in prepared.routes] == ["model.diffusion_model"]
 
 
@@ -90,13 +91,13 @@ def test_settings_section_sets_panel_defaults(fake_host: Any, backend_api: Backe
     for name in FIELD_NAMES:
         info = opts.data_labels[option_key(name)]
         assert info.section == ("openvino", "OpenVINO")
-    opts.openvino_precision = PRECISION_F32
+    opts.openvino_precision = PRECISION_LABELS["f32"]  # as the Settings tab stores it
     opts.openvino_vae = False
     script = make_script(Extension(load_api=lambda: backend_api))
     with gr.Blocks():
         components = script.ui(False)
     values = dict(zip(FIELD_NAMES, (c.value for c in components)))
-    assert values["precision"] == PRECISION_F32 and values["vae"] is False and values["unet"] is True
+    assert values["precision"] == PRECISION_LABELS["f32"] and values["vae"] is False and values["unet"] is True
 
 
 def test_device_choices_list_full_names_auto_and_hetero(backend_api: BackendApi) -> None:

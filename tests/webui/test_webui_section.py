@@ -11,8 +11,9 @@ from conftest import IMAGE_TOLERANCE, make_p, max_pixel_diff
 from test_webui_generation import routed_modules
 
 from ov_accelerate_webui.infotext import SECTION_PASTE_KEY, expand_pasted
+from ov_accelerate_webui.options import PRECISION_LABELS
 from ov_accelerate_webui.section import ARG_NAMES, OVERRIDE_ATTR, make_section_class, section_settings
-from ov_accelerate_webui.settings import FIELD_NAMES, PRECISION_F32
+from ov_accelerate_webui.settings import FIELD_NAMES
 
 
 def section_args(settings: Any, enabled: bool = True) -> list[Any]:
@@ -21,7 +22,9 @@ def section_args(settings: Any, enabled: bool = True) -> list[Any]:
 
 def test_arguments_positional_named_short_and_wrong() -> None:
     settings, why = section_settings([True, "CPU", True, False, True, "f32"], None, ["CPU"])
-    assert settings is not None and not settings.vae and settings.precision == PRECISION_F32 and why == ""
+    assert settings is not None and not settings.vae and settings.precision == "f32" and why == ""
+    labelled, _ = section_settings([True, "CPU", True, False, True, PRECISION_LABELS["f32"]], None, ["CPU"])
+    assert labelled == settings  # as the panel gives it
     named, _ = section_settings([{"enabled": True, "precision": "f32", "vae": False}], None, ["CPU"])
     assert named == settings
     off, why = section_settings([False], None, None)
@@ -42,7 +45,7 @@ def test_arguments_positional_named_short_and_wrong() -> None:
 
 def test_xyz_cell_values_override_the_section() -> None:
     on, _ = section_settings([False], {"precision": "f32"}, None)  # a Precision cell accelerates
-    assert on is not None and on.precision == PRECISION_F32
+    assert on is not None and on.precision == "f32"
     off, why = section_settings([True], {"enabled": False}, None)
     assert off is None and "X/Y/Z" in why
     forced, _ = section_settings([False], {"enabled": True, "device": "CPU"}, None)
@@ -178,7 +181,7 @@ def test_paste_restores_the_section_as_the_image_was_made(
     params: dict[str, Any], default: bool, enabled: bool, script: str | None
 ) -> None:
     params = dict(params)
-    expand_pasted(params, [("CPU", "CPU")], section_default=default)
+    expand_pasted(params, [("CPU", "CPU")], PRECISION_LABELS, section_default=default)
     assert params[SECTION_PASTE_KEY] is enabled
     assert params.get("Script") == script
 

@@ -21,8 +21,9 @@ import pytest
 from conftest import IMAGE_TOLERANCE, ROUNDED_IMAGE_TOLERANCE, max_pixel_diff
 from PIL import Image
 
+from ov_accelerate_webui.options import PRECISION_LABELS
 from ov_accelerate_webui.routing import is_routed
-from ov_accelerate_webui.settings import FIELD_NAMES, FIELDS, PRECISION_F32, build_settings
+from ov_accelerate_webui.settings import FIELD_NAMES, FIELDS, build_settings
 
 LONG_PROMPT = "a tiny cat on a mat, " * 5  # 105 characters = tokens: two 77-token chunks
 INIT_IMAGE = Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 72, 3), dtype=np.uint8))
@@ -67,8 +68,8 @@ def img2img(host: SimpleNamespace, **kwargs: Any) -> Any:
 
 def compiles(ext: Any, host: SimpleNamespace, settings: Any) -> int:
     """OpenVINO compiles the backend made so far (``stats()["compiles"]``)."""
-    backend = ext.accelerator().prepare(host.shared.sd_model, settings, "unused", window="continue").backend
-    return int(backend.stats()["compiles"])
+    ext.accelerator().prepare(host.shared.sd_model, settings, "unused", window="continue")
+    return int(ext.accelerator().backends.stats()["compiles"])
 
 
 def calls(status: str, label: str) -> int:
@@ -140,15 +141,16 @@ def test_returning_to_sizes_seen_before_costs_no_conversion(host: Any, ext: Any,
         lambda: txt2img(host),
     ]
     first = [ext.run(job(), settings) for job in jobs]  # compiles whatever the tests above did not
-    backend = ext.accelerator().prepare(host.shared.sd_model, settings, "unused", window="continue").backend
-    converted = backend.stats()["convert_seconds"]
+    ext.accelerator().prepare(host.shared.sd_model, settings, "unused", window="continue")
+    converted = ext.accelerator().backends.stats()["convert_seconds"]
 
     again = [ext.run(job(), settings) for job in reversed(jobs)]
 
     # each generation keeps in memory the compiled models it uses: those of other sizes were released
     # and are compiled again from the conversion the backend keeps, never converted again
-    assert backend.stats()["convert_seconds"] == converted
-    assert backend.stats()["released"] > 0
+    backends = ext.accelerator().backends
+    assert backends.stats()["convert_seconds"] == converted
+    assert backends.stats()["released"] > 0
     assert any("Released" in line for line in ext.last_status.splitlines()), ext.last_status
     for a, b in zip(first, reversed(again)):
         assert max_pixel_diff(a, b) == 0
@@ -162,7 +164,7 @@ def test_returning_to_sizes_seen_before_costs_no_conversion(host: Any, ext: Any,
 
 def test_keeping_every_size_in_memory_makes_returning_free(host: Any, ext: Any, settings: Any) -> None:
     """The Settings tab's "keep every compiled size": a size seen before never compiles again."""
-    from ov_accelerate_webui.ui import KEEP_SIZES_OPTION
+    from ov_accelerate_webui.options import KEEP_SIZES_OPTION
 
     jobs = [lambda: txt2img(host), lambda: txt2img(host, width=72), lambda: img2img(host)]
     setattr(host.shared.opts, KEEP_SIZES_OPTION, True)
@@ -182,11 +184,11 @@ def test_the_setting_for_the_previous_weights_reaches_each_generations_window(ho
                                                                                settings: Any) -> None:
     """The Settings tab's choice for the compiled models of the weights used before a change is the backend's
     for each generation; a value that is none of the three makes the image in PyTorch and says what is valid."""
-    from ov_accelerate_webui.ui import PREVIOUS_WEIGHTS_OPTION
+    from ov_accelerate_webui.options import PREVIOUS_WEIGHTS_OPTION
 
     def window() -> Any:
-        backend = ext.accelerator().prepare(host.shared.sd_model, settings, "unused", window="continue").backend
-        return backend.build_context.window
+        prepared = ext.accelerator().prepare(host.shared.sd_model, settings, "unused", window="continue")
+        return ext.accelerator().backends.existing(prepared.choice.for_part("unet")).build_context.window
 
     try:
         for mode in ("release", "keep", "auto"):
@@ -252,7 +254,7 @@ def test_http_api_runs_the_script_with_script_args_in_ui_order(
     info = next(s for s in api.get("/sdapi/v1/script-info").json() if s["name"] == "accelerate with openvino")
     assert [a["label"] for a in info["args"]] == [f.metadata["label"] for f in FIELDS]
 
-    script_args = ["CPU", True, True, True, PRECISION_F32, True, str(shared_cache_dir)]
+    script_args = ["CPU", True, True, True, PRECISION_LABELS["f32"], True, str(shared_cache_dir)]  # as the panel
     assert len(script_args) == len(FIELD_NAMES)
     request = {"prompt": "a tiny cat", "negative_prompt": "", "seed": 7, "steps": 2, "width": 64, "height": 64}
     plain = api.post("/sdapi/v1/txt2img", json=request).json()

@@ -8,18 +8,11 @@ from typing import Any
 import pytest
 
 from ov_accelerate_sd.cli import build_parser
+from ov_accelerate_sd.openvino_entry import PART_NAMES
 from ov_accelerate_sd.parts import PARTS
 from ov_accelerate_sd.settings import build_sd_settings
-from ov_accelerate_webui.settings import (
-    DEFAULTS,
-    FIELD_NAMES,
-    PART_LABELS,
-    PRECISION_NAMES,
-    PRECISIONS,
-    build_settings,
-    from_ui_args,
-    parse_infotext,
-)
+from ov_accelerate_webui.options import PRECISION_LABELS, panel_values
+from ov_accelerate_webui.settings import DEFAULTS, FIELD_NAMES, build_settings, from_ui_args, parse_infotext
 from ov_backend import build_settings as backend_settings
 from ov_backend.devices import check_device
 from ov_backend.precision import PRECISION_CONFIG
@@ -52,18 +45,22 @@ def test_the_panel_and_the_backend_accept_the_same_devices(device: str) -> None:
 
 
 def test_every_layer_names_the_same_precisions_and_gets_the_same_plugin_hint(tmp_path: Any) -> None:
-    assert tuple(PRECISION_NAMES[label] for label in PRECISIONS) == tuple(PRECISION_CONFIG)
+    assert tuple(PRECISION_LABELS) == tuple(PRECISION_CONFIG)  # the panel labels every precision, in order
     assert _choices("--precision") == tuple(PRECISION_CONFIG)
-    for label, name in PRECISION_NAMES.items():
-        panel = build_settings({"precision": label}).backend_options(str(tmp_path))
-        command_line = build_sd_settings({"precision": name, "cache_dir": str(tmp_path)}).to_backend_options()
-        panel_config = backend_settings(panel).config_dict
-        assert panel_config == backend_settings(command_line).config_dict == PRECISION_CONFIG[name]
-        assert build_settings({"precision": name}).precision == label  # the infotext's spelling is accepted
+    for name, label in PRECISION_LABELS.items():
+        panel = build_settings(panel_values({"precision": label})).backend_choice(str(tmp_path))
+        command_line = build_sd_settings({"precision": name, "cache_dir": str(tmp_path)}).backend_choice()
+        assert panel == command_line  # one backend for both
+        for part in PARTS:
+            assert backend_settings(panel.for_part(part).options()).compile_config == PRECISION_CONFIG[
+                "auto" if name == "int8" and part != "unet" else name]
+        assert build_settings({"precision": name}).precision == name  # the infotext's spelling is the name
+    with pytest.raises(ValueError, match=r"Unknown precision 'Full'; choose one of \['auto', 'f32', 'int8'\]"):
+        build_settings(panel_values({"precision": "Full"}))
 
 
 def test_every_layer_lists_the_same_parts_in_one_order() -> None:
-    assert tuple(PART_LABELS) == PARTS
+    assert tuple(PART_NAMES) == PARTS
     assert tuple(name for name in FIELD_NAMES if name in PARTS) == PARTS  # the panel's checkboxes
     assert _choices("--pytorch") == PARTS
     assert DEFAULTS.parts == PARTS == build_sd_settings().accelerate
@@ -71,7 +68,7 @@ def test_every_layer_lists_the_same_parts_in_one_order() -> None:
     assert build_settings({"vae": False}).parts == ("unet", "text_encoder")
     assert DEFAULTS.infotext() == "CPU, UNet+VAE+TE, auto"
     assert parse_infotext("CPU, TE+UNet, f32") == ({"unet": True, "vae": False, "text_encoder": True,
-                                                    "device": "CPU", "precision": PRECISIONS[1]}, [])
+                                                    "device": "CPU", "precision": "f32"}, [])
 
 
 def test_booleans_are_booleans() -> None:

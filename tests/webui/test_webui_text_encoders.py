@@ -80,8 +80,9 @@ def _generate(host: Any, extension: Any, settings: Any, prompt: str, routed: boo
 
 
 def _compiles(extension: Any, host: Any, settings: Any) -> int:
-    backend = extension.accelerator().prepare(host.shared.sd_model, settings, "unused").backend
-    return int(backend.stats()["compiles"])
+    accelerator = extension.accelerator()
+    accelerator.prepare(host.shared.sd_model, settings, "unused")
+    return int(accelerator.backends.stats()["compiles"])
 
 
 def test_textual_inversion_at_many_positions_matches_and_never_recompiles(

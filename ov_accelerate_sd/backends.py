@@ -1,0 +1,161 @@
+"""The backends a pipeline's parts run on: one ``OVBackend`` per backend settings, and which part runs at which.
+
+Owns :class:`BackendChoice` (what a user chooses for the backend: device, precision, disk cache),
+:func:`part_precision`, the one place of the rule that INT8 is for the UNet only (its calls are recorded at
+float and quantized; the VAE and the text encoders run at the float default: they are a small part of a
+generation's time, ``docs/int8.md``), and :class:`Backends`, which keeps one backend and its run counter per
+settings, shared by every part and every run under those settings. The command line and the WebUI adapter
+both route through it.
+
+Imports ov_backend only when it is used: the WebUI lists its script even when openvino is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ov_backend import CompileReport, GraphRunCounter, OVBackend
+
+logger = logging.getLogger(__name__)
+
+
+def part_precision(part: str, precision: str) -> str:
+    """The precision ``part`` (a name of ``ov_accelerate_sd.parts.PARTS``) runs at when ``precision`` is chosen:
+    a quantized precision is for the UNet, the other parts run at the float default."""
+    from ov_backend.precision import DEFAULT_PRECISION, QUANTIZED_PRECISIONS
+
+    return precision if part == "unet" or precision not in QUANTIZED_PRECISIONS else DEFAULT_PRECISION
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """What the user chose for the backend; the key of a backend in :class:`Backends`."""
+
+    device: str
+    precision: str
+    """A name of ``ov_backend.precision.PRECISIONS``."""
+    model_caching: bool
+    cache_dir: str | None
+    """Folder of the disk cache; None: ov_backend's per-user default."""
+
+    @property
+    def quantized(self) -> bool:
+        from ov_backend.precision import QUANTIZED_PRECISIONS
+
+        return self.precision in QUANTIZED_PRECISIONS
+
+    def for_part(self, part: str) -> BackendChoice:
+        """The choice ``part`` runs under (see :func:`part_precision`)."""
+        return dataclasses.replace(self, precision=part_precision(part, self.precision))
+
+    def options(self) -> dict[str, Any]:
+        """The options of ``ov_backend.build_settings``."""
+        options: dict[str, Any] = {"device": self.device, "model_caching": self.model_caching,
+                                   "precision": self.precision}
+        if self.cache_dir is not None:
+            options["cache_dir"] = self.cache_dir
+        return options
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The backends' reports and counters at one moment (:meth:`Backends.mark`)."""
+
+    reports: dict[int, int]
+    """id of a backend -> how many compile reports it had."""
+    stats: dict[int, dict[str, float]]
+    """id of a backend -> its counters."""
+
+
+class Backends:
+    """One ``OVBackend`` and its ``GraphRunCounter`` per :class:`BackendChoice`, made on first use (thread-safe).
+
+    Args:
+        make: choice -> backend (default: ``OVBackend`` of the choice's options).
+    """
+
+    def __init__(self, make: Any = None) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._counters: dict[BackendChoice, GraphRunCounter] = {}
+
+    def counter(self, choice: BackendChoice) -> GraphRunCounter:
+        """The counting backend of ``choice`` (what ``torch.compile`` gets), made if it is new.
+
+        Raises:
+            ValueError: ov_backend refused the options (e.g. an unknown device).
+        """
+        with self._lock:
+            counter = self._counters.get(choice)
+            if counter is None:
+                from ov_backend import GraphRunCounter, OVBackend, build_settings
+
+                backend = (self._make or (lambda c: OVBackend(build_settings(c.options()))))(choice)
+                counter = self._counters[choice] = GraphRunCounter(backend)
+            return counter
+
+    def backend(self, choice: BackendChoice) -> OVBackend:
+        """The backend of ``choice``, made if it is new (raises as :meth:`counter`)."""
+        return self.counter(choice).backend
+
+    def existing(self, choice: BackendChoice) -> OVBackend | None:
+        """The backend of ``choice`` if one was made."""
+        with self._lock:
+            counter = self._counters.get(choice)
+        return counter.backend if counter is not None else None
+
+    def all(self) -> list[OVBackend]:
+        with self._lock:
+            return [counter.backend for counter in self._counters.values()]
+
+    def calibrate(self, choice: BackendChoice) -> int:
+        """At a quantized ``choice``: quantize the UNet's graphs now on the calls recorded so far; returns how many
+        models were quantized."""
+        backend = self.existing(choice.for_part("unet")) if choice.quantized else None
+        return backend.calibrate() if backend is not None else 0
+
+    def start_window(self, previous_weights: str | None = None) -> None:
+        """Start a use window on every backend (``OVBackend.start_window``)."""
+        for backend in self.all():
+            backend.start_window(previous_weights)
+
+    def stop_windows(self) -> None:
+        for backend in self.all():
+            backend.stop_windows()
+
+    def mark(self) -> Mark:
+        backends = self.all()
+        return Mark({id(b): len(b.reports) for b in backends}, {id(b): dict(b.stats()) for b in backends})
+
+    def reports_since(self, mark: Mark) -> list[CompileReport]:
+        """The compile reports every backend made since ``mark`` (a backend made since then: all of its)."""
+        return [report for b in self.all() for report in b.reports[mark.reports.get(id(b), 0):]]
+
+    def stats_since(self, mark: Mark) -> dict[str, float]:
+        """The counters of every backend since ``mark``, summed."""
+        total: dict[str, float] = {}
+        for backend in self.all():
+            before = mark.stats.get(id(backend), {})
+            for key, value in backend.stats().items():
+                total[key] = total.get(key, 0) + value - before.get(key, 0)
+        return total
+
+    def reports(self) -> list[CompileReport]:
+        """Every backend's compile reports."""
+        return self.reports_since(Mark({}, {}))
+
+    def stats(self) -> dict[str, float]:
+        """The counters of every backend, summed."""
+        return self.stats_since(Mark({}, {}))
+
+    def reset(self) -> None:
+        """Drop every backend's compiled graphs, reports and counters, and forget the backends."""
+        with self._lock:
+            counters, self._counters = self._counters, {}
+        for counter in counters.values():
+            counter.backend.reset()

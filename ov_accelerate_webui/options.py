@@ -1,0 +1,109 @@
+"""The "OpenVINO" section of the Settings tab: its option keys, and what they hold, read in one place.
+
+:func:`read_options` is the only reader of the extension's options: the panel's defaults (one option per
+settings field, ``openvino_<field>``), "Enable for every generation", "Keep every compiled size" and what
+happens to the compiled models of the weights used before. ``ui.add_settings_section`` registers them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import host
+from .settings import DEFAULTS, FIELDS, AccelerateSettings, build_settings
+
+logger = logging.getLogger(__name__)
+
+SECTION = ("openvino", "OpenVINO")
+
+#: Precision name -> how the panel and the Settings tab show it (the settings hold the name; a value from the
+#: panel, or from an API request that copied the panel, is read back by :func:`precision_name`).
+PRECISION_LABELS: dict[str, str] = {
+    "auto": "Automatic (fastest the device supports)",
+    "f32": "Full precision (f32)",
+    "int8": "INT8 UNet (calibrated on your first generation; needs NNCF)",
+}
+OPTION_PREFIX = "openvino_"
+
+
+#: Settings-tab option: keep the compiled models of every size in memory, not only the last generation's.
+KEEP_SIZES_OPTION = OPTION_PREFIX + "keep_all_sizes"
+KEEP_SIZES_LABEL = (
+    "Keep every compiled size in memory (a size seen before never compiles again). On the CPU one model "
+    "compiled for all sizes serves them (up to about 12% slower per step where measured); on other devices "
+    "each size holds its own copy of the weights: about 1.7 GB for an SD 1.5 UNet at bf16. Off: the sizes of the last "
+    "generation stay compiled, another costs at most a compile of seconds, never a conversion."
+)
+
+
+#: Settings-tab option: what happens to the compiled models of the weights used before a LoRA or checkpoint
+#: change (the backend's ``previous_weights``, for each generation).
+PREVIOUS_WEIGHTS_OPTION = OPTION_PREFIX + "previous_weights"
+PREVIOUS_WEIGHTS_CHOICES = ("auto", "keep", "release")
+PREVIOUS_WEIGHTS_LABEL = (
+    "Compiled models of the checkpoint or LoRA used before a change: keep them in memory, so going back "
+    "compiles nothing (about 1.7 GB for an SD 1.5 UNet at bf16), or release them, also from parts not called "
+    "since the change (a long prompt's UNet). auto: keep them while a third of the machine's memory is free"
+)
+
+
+#: Settings-tab option: the always-on section's Enable is on by default (new page loads, API requests that do
+#: not send the section's arguments).
+ENABLE_ALWAYS_OPTION = OPTION_PREFIX + "enable_always"
+ENABLE_ALWAYS_LABEL = (
+    "Enable for every generation: the OpenVINO section of txt2img and img2img starts enabled (on a new page "
+    "load; API requests that do not send the section's arguments after a restart of the WebUI)"
+)
+
+
+def precision_name(value: object) -> object:
+    """The precision name of a panel label; any other value is returned as it is (a name, or a mistake
+    for the settings' check to name)."""
+    return next((name for name, label in PRECISION_LABELS.items() if label == value), value)
+
+
+def panel_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings field values as the panel (or an API request that copied it) gives them, with the precision
+    as its name."""
+    values = dict(values)
+    if "precision" in values:
+        values["precision"] = precision_name(values["precision"])
+    return values
+
+
+def option_key(name: str) -> str:
+    """Settings-tab key of a settings field, e.g. "openvino_device"."""
+    return OPTION_PREFIX + name
+
+
+@dataclass(frozen=True)
+class Options:
+    """The extension's Settings-tab options."""
+
+    panel: AccelerateSettings = DEFAULTS
+    """The panel's and the section's defaults."""
+    enable_always: bool = False
+    """The always-on section starts enabled."""
+    keep_all_sizes: bool = False
+    """Keep the compiled models of every size in memory (no use windows)."""
+    previous_weights: str = "auto"
+    """The backend's ``previous_weights`` for each generation: "auto", "keep" or "release" (the backend checks it:
+    another value, e.g. edited by hand in ``config.json``, leaves the generation in PyTorch and says why)."""
+
+
+def read_options() -> Options:
+    """The options as the Settings tab holds them now. A panel default that is not valid (e.g. edited by hand in
+    ``config.json``) gives the panel its defaults, with a WARNING that says which."""
+    values = {f.name: host.option(option_key(f.name), getattr(DEFAULTS, f.name)) for f in FIELDS}
+    values["precision"] = precision_name(values["precision"])
+    try:
+        panel = build_settings(values)
+    except ValueError as exc:
+        logger.warning("Accelerate with OpenVINO: Settings -> OpenVINO: %s; the panel starts at the defaults", exc)
+        panel = DEFAULTS
+    previous = str(host.option(PREVIOUS_WEIGHTS_OPTION, "auto") or "auto")
+    return Options(panel=panel, enable_always=bool(host.option(ENABLE_ALWAYS_OPTION, False)),
+                   keep_all_sizes=bool(host.option(KEEP_SIZES_OPTION, False)), previous_weights=previous)
