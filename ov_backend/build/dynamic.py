@@ -4,8 +4,8 @@ A graph dynamo captured with symbolic sizes (its second shape onward) is convert
 dynamic dimensions kept and the weights as inputs, then the weights are bound as constants that read
 the tensors; the model is reshaped and compiled for each new signature. When the weights change in
 place (a LoRA, another checkpoint), the model is compiled again instead of converted anew
-(:mod:`ov_backend.live`), and its cache entry, which holds no weights, serves any weights. A graph
-whose dynamic conversion fails (remembered, in the disk cache too) goes the static build.
+(:mod:`ov_backend.weight_binding`), and its cache entry, which holds no weights, serves any weights.
+A graph whose dynamic conversion fails (remembered, in the disk cache too) goes the static build.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from ov_backend.build.shared_shapes import SharedShapes, running
 from ov_backend.context import BuildContext
 from ov_backend.files import format_bytes
 from ov_backend.inputs import GraphInputs
-from ov_backend.live import LiveModel, attach_weights, bindable, name_weight_inputs, weightless_copy
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVRunner
 from ov_backend.variants import FOR_ONE_SHAPE, Variant, WeightSet
+from ov_backend.weight_binding import WeightBoundModel, attach_weights, bindable, name_weight_inputs, weightless_copy
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class DynamicBuilds:
         self._decomp = decomp
         self.shared = shared
         self.int8 = int8
-        self._live: LiveModel | None = None
+        self._converted: WeightBoundModel | None = None
         #: why this graph's dynamic conversion failed or cannot work (a property of the graph: never tried again)
         self.failed: str | None = None
         self._failure_looked_up = False
@@ -95,12 +95,12 @@ class DynamicBuilds:
         if base is None:
             # weights changed in place (a LoRA, a checkpoint loaded into the same modules): the model
             # converted earlier reads the tensors themselves, so compiling it again is enough
-            base, changed = self._live_model(weight_values)
+            base, changed = self._reusable_model(weight_values)
             if base is not None:
                 part.reused, part.weights_changed = True, changed
                 store.dynamic_model = base
-                assert self._live is not None
-                if changed and context.settings.model_caching and not self._live.weights_were_inputs:
+                assert self._converted is not None
+                if changed and context.settings.model_caching and not self._converted.weights_were_inputs:
                     # a model with the weights baked in (made from their values): stored for these weights
                     # too (no weights in it), so the next process finds them
                     context.cache_store(self.keys.dynamic(sig, fingerprint, weights_as_inputs=False),
@@ -113,7 +113,7 @@ class DynamicBuilds:
                     logger.warning("%s: the cached model does not fit the graph's weights; converting again",
                                    self.name)
                 else:
-                    self._remember_live(base, weight_values, weight_free)
+                    self._remember_converted(base, weight_values, weight_free)
             part.cache_hit = base is not None
             if base is None:
                 start = time.perf_counter()
@@ -128,11 +128,11 @@ class DynamicBuilds:
                         context.cache.note_failure(self.keys.dynamic_failure(sig), str(err))
                     return None
                 part.convert_seconds = time.perf_counter() - start
-                live_model = self._remember_live(base, weight_values, weight_free)
+                converted = self._remember_converted(base, weight_values, weight_free)
                 if context.settings.model_caching and not weight_free:
                     # the weights the model reads from the tensors are not written: the entry is the
                     # graph and the few constants the conversion made itself, under these weights' key
-                    stored = weightless_copy(base, weight_values) if live_model.shared_bytes else base
+                    stored = weightless_copy(base, weight_values) if converted.shared_bytes else base
                     context.cache_store(self.keys.dynamic(sig, fingerprint, weights_as_inputs=False), stored,
                                         f"{self.name} dynamic {report.signature}")
             store.dynamic_model = base
@@ -201,25 +201,25 @@ class DynamicBuilds:
         return convert.convert_dynamic(self.inputs.closure(weight_values, {}), user_values, dims, self._decomp,
                                        self.context.settings.rewrites), False
 
-    def _remember_live(self, base: ov.Model, weight_values: Sequence[torch.Tensor],
-                       weights_were_inputs: bool = False) -> LiveModel:
-        live = self._live = LiveModel(base, weight_values, weights.digests(weight_values, self.context.digests),
-                                      weights_were_inputs)
+    def _remember_converted(self, base: ov.Model, weight_values: Sequence[torch.Tensor],
+                            weights_were_inputs: bool = False) -> WeightBoundModel:
+        converted = self._converted = WeightBoundModel(
+            base, weight_values, weights.digests(weight_values, self.context.digests), weights_were_inputs)
         logger.info("%s: the converted model reads %s of weights from the PyTorch tensors and holds copies of %s",
-                    self.name, format_bytes(live.shared_bytes), format_bytes(live.copied_bytes))
-        return live
+                    self.name, format_bytes(converted.shared_bytes), format_bytes(converted.copied_bytes))
+        return converted
 
-    def _live_model(self, weight_values: Sequence[torch.Tensor]) -> tuple[ov.Model | None, bool]:
+    def _reusable_model(self, weight_values: Sequence[torch.Tensor]) -> tuple[ov.Model | None, bool]:
         """The model converted earlier, if compiling it now gives exactly these weights, and whether the
         weights changed since its conversion."""
-        live = self._live
-        if live is None:
+        converted = self._converted
+        if converted is None:
             return None, False
-        changed = live.check(weight_values, weights.digests(weight_values, self.context.digests))
+        changed = converted.check(weight_values, weights.digests(weight_values, self.context.digests))
         if changed is not None:
             if changed:
                 logger.info("%s: weights changed in place; compiling the model converted before (no conversion)",
                             self.name)
-            return live.model, changed
-        self._live = None  # other tensors, or a weight it holds a copy of changed: it is of no more use
+            return converted.model, changed
+        self._converted = None  # other tensors, or a weight it holds a copy of changed: it is of no more use
         return None, False

@@ -21,10 +21,10 @@ from ov_backend.build.keys import GraphKeys
 from ov_backend.build.partitions import PartitionedBuild
 from ov_backend.context import BuildContext
 from ov_backend.inputs import GraphInputs
-from ov_backend.live import WEIGHT_PARAMETER, LiveModel, attach_weights, weightless_copy
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVRunner
 from ov_backend.variants import Variant
+from ov_backend.weight_binding import WEIGHT_PARAMETER, WeightBoundModel, attach_weights, weightless_copy
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class StaticBuilds:
         self.keys = keys
         self._decomp = decomp
         #: per signature, the model of the whole graph (one partition), if it reads the weights
-        self._live: dict[tuple[Any, ...], LiveModel] = {}
+        self._kept: dict[tuple[Any, ...], WeightBoundModel] = {}
 
     def build(self, sig: tuple[Any, ...], user_values: Sequence[Any], weight_values: Sequence[torch.Tensor],
               fingerprint: str, report: CompileReport) -> Variant:
@@ -69,36 +69,36 @@ class StaticBuilds:
             cached = self._from_whole_graph_entry(whole_key, report, weight_values)
             if cached is not None:
                 return cached
-        live = self._live.get(sig)
-        if live is not None:
-            changed = live.check(weight_values, weights.digests(weight_values, context.digests))
+        kept = self._kept.get(sig)
+        if kept is not None:
+            changed = kept.check(weight_values, weights.digests(weight_values, context.digests))
             if changed is not None:
                 part = PartitionReport("graph", ops=self.inputs.op_count, reused=True, weights_changed=changed)
                 if changed and whole_key is not None:
                     # stored for these weights too, without the weights it reads from the tensors (a text
                     # encoder's are not written again for each LoRA), so the next process finds the graph
                     # without tracing it
-                    stored = weightless_copy(live.model, weight_values) if live.shared_bytes else live.model
+                    stored = weightless_copy(kept.model, weight_values) if kept.shared_bytes else kept.model
                     context.cache_store(whole_key, stored, f"{self.name} whole {report.signature}")
-                variant = self.whole_graph_variant(live.model, part, report)
+                variant = self.whole_graph_variant(kept.model, part, report)
                 if variant is not None:
                     return variant
-            del self._live[sig]
+            del self._kept[sig]
         build = PartitionedBuild(context, self.inputs, self.name, self.keys, self._decomp, report)
         variant = build.run(user_values, weight_values, fingerprint, whole_key)
         if build.whole_model is not None:
-            live = self._live[sig] = LiveModel(build.whole_model, weight_values,
-                                               weights.digests(weight_values, context.digests))
+            kept = self._kept[sig] = WeightBoundModel(build.whole_model, weight_values,
+                                                      weights.digests(weight_values, context.digests))
             # compiled again from the kept model when it is needed after a release
-            variant.releasable = variant.in_openvino and live.shared_bytes > 0
+            variant.releasable = variant.in_openvino and kept.shared_bytes > 0
         return variant
 
     def whole_model(self, sig: tuple[Any, ...], fingerprint: str,
                     weight_values: Sequence[torch.Tensor]) -> ov.Model | None:
         """The float model of the whole graph for ``sig``, if the static build made or found one."""
-        live = self._live.get(sig)
-        if live is not None:
-            return live.model
+        kept = self._kept.get(sig)
+        if kept is not None:
+            return kept.model
         if not self.context.settings.model_caching:
             return None
         xml = self.context.cache.model_file(self.keys.whole(sig, fingerprint))
