@@ -70,6 +70,8 @@ OPENAI_CLIP = "1.0.1"  # PyPI's packaging of openai/CLIP (the WebUI would pip-in
 CLIP_MODEL = "openai/clip-vit-large-patch14"
 # name -> torch seed; the recipe (seeds, re-initialised layers, fp16) keeps them identical to earlier beds
 CHECKPOINTS = {"sd15-random.safetensors": 1, "sd15-random-b.safetensors": 2}
+# the recipe of these random checkpoints, shared with the real-WebUI tier's tiny ones (a plain script, no pytest)
+MODEL_RECIPE = "tests/real_webui/make_models.py"
 # repositories gone from the URL the WebUI v1.10.1 names, and where their pinned commit lives now
 MOVED_REPOSITORIES = {
     "https://github.com/Stability-AI/stablediffusion.git": "https://github.com/w-e-w/stablediffusion.git",
@@ -688,46 +690,20 @@ def worker_hf_check() -> None:
 
 
 def worker_checkpoint(out: str, seed: str) -> None:
-    """A random-weight SD 1.5 checkpoint made by the WebUI's LDM code from configs/v1-inference.yaml (run
-    in webui/). Random, but not degenerate: LDM zero-initialises the last conv of every UNet ResBlock, each
-    transformer's proj_out and the output conv (the UNet would return 0 whatever the prompt), so those get
-    PyTorch's default init; a fresh CLIP text encoder ends in LayerNorms of weight 1 and bias 0 (the
-    conditioning's mean is ~1e-9, which A1111's emphasis divides by: NaN), so they get a random affine.
-    The order of random draws is fixed, so a seed always gives the same file."""
-    sys.path.insert(0, os.path.join("repositories", "stable-diffusion-stability-ai"))
-    import pytorch_lightning.utilities.rank_zero
-    import torch
+    """A random-weight SD 1.5 checkpoint (fp16) made by the WebUI's LDM code from configs/v1-inference.yaml
+    (run in webui/), by the real-WebUI tier's own recipe: ``random_ldm_model`` of
+    tests/real_webui/make_models.py (LDM's zero-initialised projections re-initialised, the text encoder's
+    LayerNorms given random affines, the result checked). A seed always gives the same file."""
+    import importlib.util
 
-    sys.modules.setdefault("pytorch_lightning.utilities.distributed", pytorch_lightning.utilities.rank_zero)
-    import transformers
-    from ldm.util import instantiate_from_config
+    spec = importlib.util.spec_from_file_location("make_models", Path(__file__).resolve().parents[1] / MODEL_RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    recipe.use_webui_ldm(".")
     from omegaconf import OmegaConf
     from safetensors.torch import save_file
 
-    # offline there are no CLIP weights: the text model is built from the cached config instead
-    transformers.CLIPTextModel.from_pretrained = classmethod(
-        lambda cls, name, *a, **k: cls(transformers.CLIPTextConfig.from_pretrained(name)))
-    torch.manual_seed(int(seed))
-    model = instantiate_from_config(OmegaConf.load(os.path.join("configs", "v1-inference.yaml")).model)
-    unet = model.model.diffusion_model
-    projections = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)
-    with torch.no_grad():
-        for module in unet.modules():
-            if isinstance(module, projections) and not module.weight.any():
-                module.reset_parameters()
-        generator = torch.Generator().manual_seed(int(seed))
-        encoder = model.cond_stage_model
-        encoder.device = "cpu"
-        for module in encoder.transformer.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=generator))
-                module.bias.copy_(0.1 + 0.1 * torch.randn(module.bias.shape, generator=generator))
-        cond = model.get_learned_conditioning(["", "a lighthouse", "(a red car:1.3)", "blurry"])
-        means = cond.mean(dim=(1, 2))
-        eps = unet(torch.randn(2, 4, 8, 8), torch.tensor([500, 500]), cond[1:3])
-    assert cond.isfinite().all() and means.abs().min() > 0.02, f"conditioning means near 0: {means.tolist()}"
-    assert eps.isfinite().all() and eps.std() > 0.05, f"UNet output std {eps.std()}"
-    assert not any(isinstance(m, projections) and not m.weight.any() for m in unet.modules())
+    model, _ = recipe.random_ldm_model(OmegaConf.load(os.path.join("configs", "v1-inference.yaml")).model, int(seed))
     state = {k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in model.state_dict().items()}
     save_file(state, out + ".part")
     os.replace(out + ".part", out)

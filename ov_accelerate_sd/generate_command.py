@@ -177,7 +177,7 @@ def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Pa
     if problem is not None:
         parser.error(f"--out {args.out}: {problem}")
 
-    from .demo import DEMO_SIZE, DEMO_STEPS
+    from .demo_checkpoint import DEMO_SIZE, DEMO_STEPS
     from .pipeline import GenerationJob
     from .samplers import sampler_spec
     from .settings import build_sd_settings
@@ -224,7 +224,7 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
 
     from .accelerate import Accelerator
     from .checkpoint import CheckpointError, file_hash
-    from .demo import demo_checkpoint
+    from .demo_checkpoint import demo_checkpoint
     from .loader import load_components
     from .openvino_entry import ENTRY_KEY, format_entry
     from .pipeline import Generator, Interrupted

@@ -2,7 +2,7 @@
 
 Owns: the shipped family configs (``configs/*.json``), building empty diffusers/transformers
 modules from them (on the meta device, then filled with ``assign=True`` so nothing is
-initialised twice), filling them through ``convert``, an optional separate VAE file, the
+initialised twice), filling them through ``ldm_layout``, an optional separate VAE file, the
 SD 2.x prediction-type probe (for files that do not say), and ``save_webui_checkpoint`` (the
 demo model and the tests write their tiny models in the WebUI's layout with it; their configs travel in the
 safetensors metadata, which overrides the shipped ones).
@@ -26,7 +26,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from ov_backend.files import atomic_path
 
-from . import convert
+from . import ldm_layout
 from .checkpoint import METADATA_CONFIG_KEY, Checkpoint, CheckpointError, load_state_dict, read_checkpoint
 from .tokenizer import clip_tokenizer
 
@@ -82,8 +82,8 @@ def _text_encoder(
     cls = CLIPTextModelWithProjection if spec.get("with_projection") else CLIPTextModel
     model = _empty(lambda: cls(cfg))
     try:
-        weights = convert.text_encoder_from_ldm(state, model.state_dict().keys(), spec)
-    except convert.ConversionError as exc:
+        weights = ldm_layout.text_encoder_from_ldm(state, model.state_dict().keys(), spec)
+    except ldm_layout.ConversionError as exc:
         raise CheckpointError(path, str(exc)) from None
     weights["text_model.embeddings.position_ids"] = torch.arange(cfg.max_position_embeddings).unsqueeze(0)
     _assign(model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()},
@@ -94,8 +94,8 @@ def _text_encoder(
 def _vae(config: dict, state: dict, path: str, root: str, dtype: torch.dtype) -> AutoencoderKL:
     vae = _empty(lambda: AutoencoderKL(**config))
     try:
-        weights = convert.vae_from_ldm(state, vae.state_dict().keys(), config, root)
-    except convert.ConversionError as exc:
+        weights = ldm_layout.vae_from_ldm(state, vae.state_dict().keys(), config, root)
+    except ldm_layout.ConversionError as exc:
         raise CheckpointError(path, str(exc)) from None
     _assign(vae, {k: v.to(dtype) for k, v in weights.items()}, "VAE", path)
     return vae.eval()
@@ -104,7 +104,7 @@ def _vae(config: dict, state: dict, path: str, root: str, dtype: torch.dtype) ->
 def load_vae_file(path: str | os.PathLike, config: dict, dtype: torch.dtype = torch.float32) -> AutoencoderKL:
     """A separate WebUI VAE file (keys ``encoder.*``/``decoder.*``, or ``first_stage_model.*``)."""
     state, _ = load_state_dict(path)
-    root = convert.VAE_ROOT if any(k.startswith(convert.VAE_ROOT) for k in state) else ""
+    root = ldm_layout.VAE_ROOT if any(k.startswith(ldm_layout.VAE_ROOT) for k in state) else ""
     if root + "decoder.conv_in.weight" not in state:
         raise CheckpointError(path, "not a VAE: no 'decoder.conv_in.weight' tensor")
     return _vae(config, state, str(path), root, dtype)
@@ -169,14 +169,14 @@ def load_components(
 
     unet = _empty(lambda: UNet2DConditionModel(**config["unet"]))
     try:
-        unet_weights = convert.unet_from_ldm(state, unet.state_dict().keys(), config["unet"])
-    except convert.ConversionError as exc:
+        unet_weights = ldm_layout.unet_from_ldm(state, unet.state_dict().keys(), config["unet"])
+    except ldm_layout.ConversionError as exc:
         raise CheckpointError(path, str(exc)) from None
     _assign(unet, {k: v.to(dtype) for k, v in unet_weights.items()}, "UNet", path)
     unet.eval()
 
     vae = load_vae_file(vae_path, config["vae"], dtype) if vae_path else _vae(
-        config["vae"], state, path, convert.VAE_ROOT, dtype
+        config["vae"], state, path, ldm_layout.VAE_ROOT, dtype
     )
     encoders = [_text_encoder(spec, state, path, dtype) for spec in config["text_encoders"]]
     tokenizers = [clip_tokenizer(spec["pad_token"]) for spec in config["text_encoders"]]
@@ -207,10 +207,10 @@ def save_webui_checkpoint(
     """
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
-    tensors.update(convert.unet_to_ldm(unet.state_dict(), config["unet"]))
-    tensors.update(convert.vae_to_ldm(vae.state_dict(), config["vae"]))
+    tensors.update(ldm_layout.unet_to_ldm(unet.state_dict(), config["unet"]))
+    tensors.update(ldm_layout.vae_to_ldm(vae.state_dict(), config["vae"]))
     for spec, encoder in zip(config["text_encoders"], text_encoders):
-        tensors.update(convert.text_encoder_to_ldm(encoder.state_dict(), spec))
+        tensors.update(ldm_layout.text_encoder_to_ldm(encoder.state_dict(), spec))
     if family == "sd2" and config.get("scheduler", {}).get("prediction_type") == "v_prediction":
         tensors["v_pred"] = torch.zeros(())
     tensors = {k: v.detach().contiguous().clone() for k, v in tensors.items()}

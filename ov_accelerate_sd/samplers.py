@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from diffusers import LCMScheduler
 
-from .schedules import ddim_timesteps, model_sigmas, webui_alphas_cumprod, webui_sigmas
-from .webui_schedulers import (
+from .ldm_schedulers import (
     LMSScheduler,
     WebUIDDIMScheduler,
     WebUIDPM2AncestralScheduler,
@@ -43,6 +42,7 @@ from .webui_schedulers import (
     WebUIPLMSScheduler,
     WebUIUniPCScheduler,
 )
+from .schedules import ddim_timesteps, model_sigmas, webui_alphas_cumprod, webui_sigmas
 
 logger = logging.getLogger(__name__)
 

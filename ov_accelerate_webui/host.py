@@ -103,23 +103,9 @@ def lora_networks() -> ModuleType | None:
     return module
 
 
-def is_forge() -> bool:
-    """True inside Forge, whose model object differs from A1111's."""
-    try:
-        importlib.import_module("modules_forge")
-    except ImportError:
-        return False
-    return True
-
-
 def txt2img_processing(**kwargs: Any) -> Any:
     """A ``StableDiffusionProcessingTxt2Img`` for the loaded model (used by pre-compile)."""
     return processing().StableDiffusionProcessingTxt2Img(sd_model=loaded_model(), **kwargs)
-
-
-def always_visible() -> Any:
-    """``scripts.AlwaysVisible``."""
-    return scripts().AlwaysVisible
 
 
 def imported_class(module_name: str, name: str) -> type | None:

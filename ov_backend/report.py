@@ -21,7 +21,7 @@ class PartitionReport:
         in_openvino: False when its conversion or compile failed and it runs in PyTorch.
         reused: the model converted for an earlier shape or earlier weights was compiled again (no conversion).
         weights_changed: the weights changed in place since the conversion, and the model that reads
-            them from the tensors was compiled again (see :mod:`ov_backend.live`).
+            them from the tensors was compiled again (see :mod:`ov_backend.weight_binding`).
         execution_devices: the devices OpenVINO actually runs it on (what "AUTO" chose).
         precision: the inference precision the plugin uses ("f32", "bf16", ...).
         quantized: the model is the INT8 one (weights and activations at 8 bits, see :mod:`ov_backend.quantize`).

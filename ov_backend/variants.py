@@ -278,7 +278,7 @@ class WeightVariants:
 
         A weight set other than the current one left without a compiled model is forgotten whole
         (its converted model too: a model converted from tensors changed in place since is found
-        again by the graph's builder, see :mod:`ov_backend.live`). Call with the graph's lock held.
+        again by the graph's builder, see :mod:`ov_backend.weight_binding`). Call with the graph's lock held.
         """
         dropped = 0
         for fp, sig in unused:

@@ -19,12 +19,12 @@ import torch
 from ov_backend import convert
 from ov_backend.build.dynamic import DynamicBuilds
 from ov_backend.build.int8 import Int8Builds
-from ov_backend.build.keys import GraphKeys
 from ov_backend.build.shared_shapes import SharedShapes
 from ov_backend.build.static import StaticBuilds
+from ov_backend.build.target import BuildTarget
 from ov_backend.context import BuildContext
 from ov_backend.inputs import GraphInputs, signature_text
-from ov_backend.ops import decomposition_table, node_op_name
+from ov_backend.ops import node_op_name
 from ov_backend.precision import QUANTIZED_PRECISIONS
 from ov_backend.report import CompileReport
 from ov_backend.variants import Variant, WeightSet, eager_variant
@@ -40,17 +40,12 @@ class GraphBuilder:
     """
 
     def __init__(self, context: BuildContext, inputs: GraphInputs, name: str) -> None:
-        self.context = context
-        self.inputs = inputs
-        self.name = name
-        settings = context.settings
-        keys = GraphKeys(settings, context.versions, inputs.gm.code, inputs.dynamic_dims)
-        decomp = decomposition_table(settings.decompositions)
+        #: the graph, its cache keys and decompositions: what every build of it shares
+        self.target = target = BuildTarget.of(context, inputs, name)
         #: the settings ask for INT8 models (calibrated on this graph's first calls)
-        self.int8 = Int8Builds(context, inputs, name, keys) if settings.precision in QUANTIZED_PRECISIONS else None
-        self.static = StaticBuilds(context, inputs, name, keys, decomp)
-        self.dynamic = DynamicBuilds(context, inputs, name, keys, decomp, SharedShapes(context, inputs, name),
-                                     self.int8)
+        self.int8 = Int8Builds(target) if context.settings.precision in QUANTIZED_PRECISIONS else None
+        self.static = StaticBuilds(target)
+        self.dynamic = DynamicBuilds(target, SharedShapes(target), self.int8)
         self._torch_op_count = sum(1 for n in inputs.gm.graph.nodes if n.op == "call_method" or (
             n.op == "call_function" and not node_op_name(n).startswith("_operator.")))
 
@@ -61,19 +56,19 @@ class GraphBuilder:
         ``store`` is what the graph keeps for these weights: the builds keep their models there.
         The compile report goes to the context's report sink, the times to its counters.
         """
-        context = self.context
+        context = self.target.context
         settings = context.settings
-        report = CompileReport(self.name, signature_text(sig), "static", settings.device)
+        report = CompileReport(self.target.name, signature_text(sig), "static", settings.device)
         start = time.perf_counter()
         try:
             with convert.build_lock():
                 # a graph smaller than min_partition_ops goes the static build, whose partitions are counted
-                if (self.inputs.dynamic_dims is not None and not settings.disabled_ops
+                if (self.target.inputs.dynamic_dims is not None and not settings.disabled_ops
                         and self._torch_op_count >= settings.min_partition_ops):
                     variant = self.dynamic.build(sig, user_values, weight_values, store, fingerprint, report)
                     if variant is not None:
                         return variant
-                if self.int8 is None or not self.inputs.outputs_are_tensors():
+                if self.int8 is None or not self.target.inputs.outputs_are_tensors():
                     return self.static.build(sig, user_values, weight_values, fingerprint, report)
                 return self.int8.static(sig, user_values, weight_values, fingerprint, report, store, self.static)
         finally:
@@ -83,7 +78,7 @@ class GraphBuilder:
 
     def eager(self, weight_values: Sequence[torch.Tensor]) -> Variant:
         """The graph run in PyTorch with these weights."""
-        return eager_variant(self.inputs, weight_values)
+        return eager_variant(self.target.inputs, weight_values)
 
     def quantize(self, store: WeightSet) -> int:
         """At precision "int8": quantize the models of these weights whose calls were recorded; returns how

@@ -18,10 +18,9 @@ import openvino as ov
 import torch
 
 from ov_backend import convert, quantize
-from ov_backend.build.keys import GraphKeys
 from ov_backend.build.static import StaticBuilds
-from ov_backend.context import BuildContext
-from ov_backend.inputs import GraphInputs, signature_text
+from ov_backend.build.target import BuildTarget
+from ov_backend.inputs import signature_text
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.variants import Variant, WeightSet
 
@@ -32,25 +31,19 @@ class Int8Builds:
     """The INT8 models of one graph.
 
     Args:
-        context: what the backend lends.
-        inputs: the graph's inputs and outputs.
-        name: the graph's name for logs and reports.
-        keys: the graph's cache keys.
+        target: the graph and its cache keys.
     """
 
-    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str, keys: GraphKeys) -> None:
-        self.context = context
-        self.inputs = inputs
-        self.name = name
-        self.keys = keys
+    def __init__(self, target: BuildTarget) -> None:
+        self.target = target
 
     def model(self, store: WeightSet, sig: tuple[Any, ...] | None, key: str, part: PartitionReport) -> ov.Model | None:
         """The INT8 model for these weights (``sig`` None: with dynamic shapes): quantized earlier in this
         process, or from the disk cache; None when there is none yet. Marks ``part`` as quantized."""
         model = store.int8_models.get(sig)
         part.reused = model is not None
-        if model is None and self.context.settings.model_caching:
-            model = self.context.cache_load(key)
+        if model is None and self.target.context.settings.model_caching:
+            model = self.target.context.cache_load(key)
             part.cache_hit = part.cache_hit or model is not None
         if model is None:
             return None
@@ -64,8 +57,8 @@ class Int8Builds:
         the graph quantizes ``model`` for these weights (see :meth:`quantize`)."""
         calibration = store.calibrations.get(sig)
         if calibration is None:
-            calibration = store.calibrations[sig] = quantize.Calibration(self.context.settings.calibration_samples,
-                                                                         model, key, sig)
+            calibration = store.calibrations[sig] = quantize.Calibration(
+                self.target.context.settings.calibration_samples, model, key, sig)
         if calibration.failed is not None:
             report.warnings.append(f"INT8 quantization failed earlier ({calibration.failed}); it runs at float")
             return variant
@@ -84,8 +77,8 @@ class Int8Builds:
                fingerprint: str, report: CompileReport, store: WeightSet, static: StaticBuilds) -> Variant:
         """The static build at precision "int8": the INT8 model of the whole graph if there is one, else the
         float build recording its calls (the whole graph as one model only: a partitioned one runs at float)."""
-        int8_key = self.keys.static_int8(sig, fingerprint)
-        part = PartitionReport("graph", ops=self.inputs.op_count)
+        int8_key = self.target.keys.static_int8(sig, fingerprint)
+        part = PartitionReport("graph", ops=self.target.inputs.op_count)
         quantized = self.model(store, sig, int8_key, part)
         if quantized is not None:
             variant = static.whole_graph_variant(quantized, part, report)
@@ -96,9 +89,9 @@ class Int8Builds:
         if model is None or not variant.in_openvino:
             report.warnings.append("INT8 needs the graph as one OpenVINO model; it runs at float")
             logger.warning("%s %s: INT8 needs the graph as one OpenVINO model (it was partitioned); it runs at "
-                           "float", self.name, report.signature)
+                           "float", self.target.name, report.signature)
             return variant
-        baked = self.inputs.scalar_tensors
+        baked = self.target.inputs.scalar_tensors
         return self.recording(variant, store, sig, model, int8_key, report,
                               lambda user: [v for pos, v in enumerate(user)
                                             if isinstance(v, torch.Tensor) and pos not in baked])
@@ -109,14 +102,15 @@ class Int8Builds:
         The INT8 model replaces the float one (the next call of each signature compiles it) and is stored
         in the disk cache under its key. A failure is reported and remembered: those weights stay at float.
         """
+        target = self.target
         done = 0
         # (a list of the calibrations only: one of all the items would keep the float models alive)
         pending = [calibration for calibration in store.calibrations.values() if calibration.pending]
         for calibration in pending:
             sig = calibration.signature
-            report = CompileReport(self.name, signature_text(sig) if sig is not None else "(dynamic shapes)", "int8",
-                                   self.context.settings.device)
-            part = PartitionReport("graph", ops=self.inputs.op_count, quantized=True,
+            report = CompileReport(target.name, signature_text(sig) if sig is not None else "(dynamic shapes)", "int8",
+                                   target.context.settings.device)
+            part = PartitionReport("graph", ops=target.inputs.op_count, quantized=True,
                                    calibration_samples=len(calibration.samples))
             start = time.perf_counter()
             # the float models that recorded go first (a full UNet's is gigabytes): NNCF's statistics model
@@ -134,11 +128,11 @@ class Int8Builds:
                 calibration.failed = str(err)
                 part.in_openvino = False
                 report.warnings.append(f"INT8 quantization failed ({err}); it runs at float")
-                logger.warning("%s: INT8 quantization failed (%s); it runs at float", self.name, err)
+                logger.warning("%s: INT8 quantization failed (%s); it runs at float", target.name, err)
             else:
                 calibration.done = True
                 store.int8_models[sig] = model
-                self.context.cache_store(calibration.key, model, f"{self.name} int8 {report.signature}")
+                target.context.cache_store(calibration.key, model, f"{target.name} int8 {report.signature}")
                 # the float variants left that recorded go: each signature's next call compiles the INT8 model
                 for key, value in list(store.variants.items()):
                     if value.calibration is calibration:
@@ -147,8 +141,8 @@ class Int8Builds:
             part.quantize_seconds = time.perf_counter() - start
             calibration.samples = []
             report.partitions.append(part)
-            self.context.stats.add(compile_seconds=part.quantize_seconds, quantize_seconds=part.quantize_seconds,
-                                   quantized=1 if calibration.done else 0)
-            self.context.add_report(report)
+            target.context.stats.add(compile_seconds=part.quantize_seconds, quantize_seconds=part.quantize_seconds,
+                                     quantized=1 if calibration.done else 0)
+            target.context.add_report(report)
             logger.info("%s", report.summary())
         return done

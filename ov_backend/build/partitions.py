@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,8 @@ import openvino as ov
 import torch
 
 from ov_backend import convert, weights
-from ov_backend.build.keys import GraphKeys
-from ov_backend.context import BuildContext
-from ov_backend.inputs import GraphInputs, output_dtype
+from ov_backend.build.target import BuildTarget
+from ov_backend.inputs import output_dtype
 from ov_backend.ops import OpenVINOSupport, node_op_name
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVModule, OVRunner
@@ -40,21 +39,12 @@ class PartitionedBuild:
     """One static build of a graph for one signature.
 
     Args:
-        context: what the backend lends.
-        inputs: the graph's inputs and outputs.
-        name: the graph's name for logs and reports.
-        keys: the graph's cache keys.
-        decompositions: the decomposition table for tracing.
+        target: the graph, its cache keys and decompositions.
         report: the compile report to fill.
     """
 
-    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str, keys: GraphKeys,
-                 decompositions: dict[Any, Callable[..., Any]], report: CompileReport) -> None:
-        self.context = context
-        self.inputs = inputs
-        self.name = name
-        self.keys = keys
-        self.decompositions = decompositions
+    def __init__(self, target: BuildTarget, report: CompileReport) -> None:
+        self.target = target
         self.report = report
         #: the converted model of a graph that is one partition (its inputs and outputs are the graph's)
         self.whole_model: ov.Model | None = None
@@ -62,24 +52,24 @@ class PartitionedBuild:
     def run(self, user_values: Sequence[Any], weight_values: Sequence[torch.Tensor], fingerprint: str,
             whole_key: str | None) -> Variant:
         """Trace, partition and convert; ``whole_key`` names the graph's cache entry (None: no cache)."""
-        report = self.report
+        report, target = self.report, self.target
         scalars = {pos: v for pos, v in enumerate(user_values)
-                   if not isinstance(v, torch.Tensor) or pos in self.inputs.scalar_tensors}
+                   if not isinstance(v, torch.Tensor) or pos in target.inputs.scalar_tensors}
         tensors = [v for pos, v in enumerate(user_values) if pos not in scalars]
         start = time.perf_counter()
         try:
-            traced = convert.trace_static(self.inputs.closure(weight_values, scalars), tensors, self.decompositions)
+            traced = convert.trace_static(target.inputs.closure(weight_values, scalars), tensors, target.decompositions)
         except Exception as err:  # tracing can fail in many ways (data-dependent control flow, ...)
             report.route = "eager"
             report.warnings.append(f"could not trace the graph: {err}")
-            self.context.fail(f"{self.name} {report.signature}: could not trace the graph "
-                              f"({type(err).__name__}: {err})", err)
-            return eager_variant(self.inputs, weight_values)
+            target.context.fail(f"{target.name} {report.signature}: could not trace the graph "
+                                f"({type(err).__name__}: {err})", err)
+            return eager_variant(target.inputs, weight_values)
         report.trace_seconds = time.perf_counter() - start
         unconvertible: set[str] = set()
         earlier_warnings = list(report.warnings)
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            support = OpenVINOSupport(self.context.settings.disabled_ops, unconvertible)
+            support = OpenVINOSupport(target.context.settings.disabled_ops, unconvertible)
             graph, names = convert.partition(traced, support)
             report.fallback_ops = dict(support.rejected)
             report.partitions = []
@@ -88,9 +78,9 @@ class PartitionedBuild:
             # a graph that is one partition is cached under the graph's own key: the next process
             # finds it without tracing
             order = whole_graph_order(graph, names) if not support.rejected else None
-            covers = order is not None and self.inputs.outputs_are_tensors()
+            covers = order is not None and target.inputs.outputs_are_tensors()
             small = {name: aten_op_count(graph.get_submodule(name)) for name in names}
-            small = {name: ops for name, ops in small.items() if ops < self.context.settings.min_partition_ops}
+            small = {name: ops for name, ops in small.items() if ops < target.context.settings.min_partition_ops}
             for name in names:
                 if name in small:
                     report.partitions.append(PartitionReport(name, ops=small[name], in_openvino=False))
@@ -111,11 +101,11 @@ class PartitionedBuild:
                 self._keep_small_in_pytorch(small)
                 break
             unconvertible |= leave_out
-            traced = convert.trace_static(self.inputs.closure(weight_values, scalars), tensors,
-                                          self.decompositions)
+            traced = convert.trace_static(target.inputs.closure(weight_values, scalars), tensors,
+                                          target.decompositions)
         if report.fallback_ops:
-            self.context.fail(f"{self.name} {report.signature}: ops left in PyTorch: "
-                              + ", ".join(f"{op} ({why})" for op, why in sorted(report.fallback_ops.items())))
+            target.context.fail(f"{target.name} {report.signature}: ops left in PyTorch: "
+                                + ", ".join(f"{op} ({why})" for op, why in sorted(report.fallback_ops.items())))
         in_ov = any(p.in_openvino for p in report.partitions)
         if not in_ov:
             report.route = "eager"
@@ -134,17 +124,17 @@ class PartitionedBuild:
         """
         if not small:
             return
-        limit = self.context.settings.min_partition_ops
+        limit = self.target.context.settings.min_partition_ops
         listed = ", ".join(f"{name} ({ops} op{'s' if ops != 1 else ''})" for name, ops in small.items())
         self.report.warnings.append(f"fewer ops than min_partition_ops={limit}: {listed}")
         logger.warning("%s %s: partitions with fewer ops than min_partition_ops=%d: %s; running them in PyTorch",
-                       self.name, self.report.signature, limit, listed)
+                       self.target.name, self.report.signature, limit, listed)
 
     def _keep_in_pytorch(self, name: str, err: convert.ConversionError, why: str) -> None:
         """Partition ``name`` runs in PyTorch: reported, with a WARNING (or raise when strict)."""
         self.report.warnings.append(f"{name}: {err} ({why})")
-        self.context.fail(f"{self.name} {self.report.signature}: partition {name} could not be converted "
-                          f"({err}; {why})", err)
+        self.target.context.fail(f"{self.target.name} {self.report.signature}: partition {name} could not be "
+                                 f"converted ({err}; {why})", err)
 
     def _convert_and_compile(self, graph: torch.fx.GraphModule, name: str, fingerprint: str,
                              key: str | None = None, whole: list[int] | None = None) -> convert.ConversionError | None:
@@ -156,16 +146,16 @@ class PartitionedBuild:
         handles (partition again, or keep the partition in PyTorch); other failures are reported
         here. None: in OpenVINO, or a failure already reported.
         """
-        context = self.context
+        context = self.target.context
         report = self.report
         sub = graph.get_submodule(name)
         part = PartitionReport(name, ops=aten_op_count(sub))
         report.partitions.append(part)
         # hashing the constants costs time: only for the disk cache
         if key is None and context.settings.model_caching:
-            key = self.keys.partition(name, fingerprint, sub.code,
-                                      weights.fingerprint(list(sub.buffers()), context.digests),
-                                      [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"])
+            key = self.target.keys.partition(
+                name, fingerprint, sub.code, weights.fingerprint(list(sub.buffers()), context.digests),
+                [repr(n.meta.get("val")) for n in sub.graph.nodes if n.op == "placeholder"])
         reordered = whole is not None and whole != list(range(len(whole)))
         # a whole-graph entry holds the outputs in the graph's order, not the partition's: only the
         # whole-graph build reads it (here it is converted again)
@@ -180,7 +170,7 @@ class PartitionedBuild:
                 if err.unconverted:
                     return err
                 report.warnings.append(f"{name}: {err}")
-                context.fail(f"{self.name} {report.signature}: partition {name} could not be converted ({err})",
+                context.fail(f"{self.target.name} {report.signature}: partition {name} could not be converted ({err})",
                              err)
                 return err
             part.convert_seconds = time.perf_counter() - start
@@ -193,7 +183,7 @@ class PartitionedBuild:
                 self.whole_model = graph_model
             if key:
                 # compiled from its cache file, OpenVINO's blob is found again by the next process
-                stored = context.cache_store(key, graph_model, f"{self.name} {name} {report.signature}")
+                stored = context.cache_store(key, graph_model, f"{self.target.name} {name} {report.signature}")
                 if not reordered:
                     model = stored or model
         try:
@@ -201,7 +191,7 @@ class PartitionedBuild:
         except RuntimeError as err:
             part.in_openvino = False
             report.warnings.append(f"{name}: compile failed: {err}")
-            context.fail(f"{self.name} {report.signature}: partition {name} could not be compiled ({err})", err)
+            context.fail(f"{self.target.name} {report.signature}: partition {name} could not be compiled ({err})", err)
             return None
         outputs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
         out_nodes = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]

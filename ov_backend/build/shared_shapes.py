@@ -14,8 +14,7 @@ from typing import Any
 
 import openvino as ov
 
-from ov_backend.context import BuildContext
-from ov_backend.inputs import GraphInputs
+from ov_backend.build.target import BuildTarget
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVRunner
 from ov_backend.variants import FOR_ALL_SHAPES, Variant, WeightSet, borrowed_variant
@@ -34,15 +33,11 @@ class SharedShapes:
     """The models for all shapes of one graph.
 
     Args:
-        context: what the backend lends.
-        inputs: the graph's inputs and outputs.
-        name: the graph's name for logs and reports.
+        target: the graph.
     """
 
-    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str) -> None:
-        self.context = context
-        self.inputs = inputs
-        self.name = name
+    def __init__(self, target: BuildTarget) -> None:
+        self.target = target
         #: why OpenVINO could not compile this graph's model for all shapes (then it compiles per shape)
         self.failed: str | None = None
 
@@ -52,12 +47,12 @@ class SharedShapes:
         still held (the caller released those no call used in the current use window), or this graph
         re-captures code another graph built for these weights (``recapture``, see
         :class:`~ov_backend.variants.SharedModels`)."""
-        mode = self.context.settings.shared_shapes
+        mode = self.target.context.settings.shared_shapes
         if mode == "never" or self.failed:
             return False
         if mode == "always" or store.all_shapes is not None:
             return True
-        return self.context.settings.device == "CPU" and (
+        return self.target.context.settings.device == "CPU" and (
             recapture or any(key != sig for key in store.one_shape_variants()))
 
     def for_all_shapes(self, base: ov.Model, store: WeightSet, part: PartitionReport, report: CompileReport,
@@ -69,16 +64,16 @@ class SharedShapes:
         runner = store.all_shapes
         if runner is None:
             try:
-                compiled = self.context.compile(base, part)
+                compiled = self.target.context.compile(base, part)
             except RuntimeError as err:
                 self.failed = str(err)
                 report.warnings.append(f"compile for all shapes failed: {err}")
                 logger.warning("%s: OpenVINO could not compile the model with dynamic shapes (%s); compiling "
-                               "it for each shape instead", self.name, err)
+                               "it for each shape instead", self.target.name, err)
                 return None
-            runner = store.all_shapes = OVRunner(compiled, self.inputs.output_dtypes())
+            runner = store.all_shapes = OVRunner(compiled, self.target.inputs.output_dtypes())
             if share_key is not None:
-                self.context.shared.lend(share_key, runner)
+                self.target.context.shared.lend(share_key, runner)
             per_shape = store.one_shape_variants()
             for key in per_shape:
                 store.variants[key] = running(runner, FOR_ALL_SHAPES)
@@ -86,7 +81,7 @@ class SharedShapes:
             if per_shape:
                 gc.collect()
                 logger.info("%s: one model compiled for all shapes replaces %d compiled for one shape each",
-                            self.name, len(per_shape))
+                            self.target.name, len(per_shape))
         else:
             part.reused = True
         part.all_shapes = True
@@ -100,11 +95,11 @@ class SharedShapes:
         the same code and weights, if that graph still holds it (see
         :class:`~ov_backend.variants.SharedModels`). Only a weak reference is kept: when the owner
         releases the model, the signature is built again."""
-        ref = self.context.shared.borrow(share_key)
+        ref = self.target.context.shared.borrow(share_key)
         if ref is None:
             return None
         part.reused = part.all_shapes = part.borrowed = True
         report.route = "dynamic"
         report.partitions.append(part)
         logger.info("OpenVINO reused %s", report.summary())
-        return borrowed_variant(ref, self.name)
+        return borrowed_variant(ref, self.target.name)

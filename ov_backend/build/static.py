@@ -17,14 +17,12 @@ import openvino as ov
 import torch
 
 from ov_backend import weights
-from ov_backend.build.keys import GraphKeys
 from ov_backend.build.partitions import PartitionedBuild
-from ov_backend.context import BuildContext
-from ov_backend.inputs import GraphInputs
-from ov_backend.live import WEIGHT_PARAMETER, LiveModel, attach_weights, weightless_copy
+from ov_backend.build.target import BuildTarget
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.runtime import OVRunner
 from ov_backend.variants import Variant
+from ov_backend.weight_binding import WEIGHT_PARAMETER, WeightBoundModel, attach_weights, weightless_copy
 
 logger = logging.getLogger(__name__)
 
@@ -41,73 +39,64 @@ class StaticBuilds:
     """The static builds of one graph, per signature.
 
     Args:
-        context: what the backend lends.
-        inputs: the graph's inputs and outputs.
-        name: the graph's name for logs and reports.
-        keys: the graph's cache keys.
-        decomp: the decomposition table tracing uses.
+        target: the graph, its cache keys and decompositions.
     """
 
-    def __init__(self, context: BuildContext, inputs: GraphInputs, name: str, keys: GraphKeys,
-                 decomp: dict[Any, Any]) -> None:
-        self.context = context
-        self.inputs = inputs
-        self.name = name
-        self.keys = keys
-        self._decomp = decomp
+    def __init__(self, target: BuildTarget) -> None:
+        self.target = target
         #: per signature, the model of the whole graph (one partition), if it reads the weights
-        self._live: dict[tuple[Any, ...], LiveModel] = {}
+        self._kept: dict[tuple[Any, ...], WeightBoundModel] = {}
 
     def build(self, sig: tuple[Any, ...], user_values: Sequence[Any], weight_values: Sequence[torch.Tensor],
               fingerprint: str, report: CompileReport) -> Variant:
         """The variant for ``sig`` at float: from the whole graph's cache entry, the kept model of the whole
         graph, or traced and converted."""
-        context = self.context
+        context = self.target.context
         whole_key = None
-        if context.settings.model_caching and self.inputs.outputs_are_tensors():
-            whole_key = self.keys.whole(sig, fingerprint)
+        if context.settings.model_caching and self.target.inputs.outputs_are_tensors():
+            whole_key = self.target.keys.whole(sig, fingerprint)
             cached = self._from_whole_graph_entry(whole_key, report, weight_values)
             if cached is not None:
                 return cached
-        live = self._live.get(sig)
-        if live is not None:
-            changed = live.check(weight_values, weights.digests(weight_values, context.digests))
+        kept = self._kept.get(sig)
+        if kept is not None:
+            changed = kept.check(weight_values, weights.digests(weight_values, context.digests))
             if changed is not None:
-                part = PartitionReport("graph", ops=self.inputs.op_count, reused=True, weights_changed=changed)
+                part = PartitionReport("graph", ops=self.target.inputs.op_count, reused=True, weights_changed=changed)
                 if changed and whole_key is not None:
                     # stored for these weights too, without the weights it reads from the tensors (a text
                     # encoder's are not written again for each LoRA), so the next process finds the graph
                     # without tracing it
-                    stored = weightless_copy(live.model, weight_values) if live.shared_bytes else live.model
-                    context.cache_store(whole_key, stored, f"{self.name} whole {report.signature}")
-                variant = self.whole_graph_variant(live.model, part, report)
+                    stored = weightless_copy(kept.model, weight_values) if kept.shared_bytes else kept.model
+                    context.cache_store(whole_key, stored, f"{self.target.name} whole {report.signature}")
+                variant = self.whole_graph_variant(kept.model, part, report)
                 if variant is not None:
                     return variant
-            del self._live[sig]
-        build = PartitionedBuild(context, self.inputs, self.name, self.keys, self._decomp, report)
+            del self._kept[sig]
+        build = PartitionedBuild(self.target, report)
         variant = build.run(user_values, weight_values, fingerprint, whole_key)
         if build.whole_model is not None:
-            live = self._live[sig] = LiveModel(build.whole_model, weight_values,
-                                               weights.digests(weight_values, context.digests))
+            kept = self._kept[sig] = WeightBoundModel(build.whole_model, weight_values,
+                                                      weights.digests(weight_values, context.digests))
             # compiled again from the kept model when it is needed after a release
-            variant.releasable = variant.in_openvino and live.shared_bytes > 0
+            variant.releasable = variant.in_openvino and kept.shared_bytes > 0
         return variant
 
     def whole_model(self, sig: tuple[Any, ...], fingerprint: str,
                     weight_values: Sequence[torch.Tensor]) -> ov.Model | None:
         """The float model of the whole graph for ``sig``, if the static build made or found one."""
-        live = self._live.get(sig)
-        if live is not None:
-            return live.model
-        if not self.context.settings.model_caching:
+        kept = self._kept.get(sig)
+        if kept is not None:
+            return kept.model
+        if not self.target.context.settings.model_caching:
             return None
-        xml = self.context.cache.model_file(self.keys.whole(sig, fingerprint))
+        xml = self.target.context.cache.model_file(self.target.keys.whole(sig, fingerprint))
         return self._read_whole(xml, weight_values) if xml is not None else None
 
     def _read_whole(self, xml: Path, weight_values: Sequence[torch.Tensor]) -> ov.Model | None:
         """A whole-graph entry read back, its weights attached when it was stored without them (a model
         with its weights has no weight parameters: attaching leaves it as it is)."""
-        return attach_weights(self.context.core.read_model(str(xml)), weight_values)
+        return attach_weights(self.target.context.core.read_model(str(xml)), weight_values)
 
     def _from_whole_graph_entry(self, key: str, report: CompileReport,
                                 weight_values: Sequence[torch.Tensor]) -> Variant | None:
@@ -115,16 +104,16 @@ class StaticBuilds:
 
         An entry with its weights compiles from its file (OpenVINO's blob cache finds it again); one stored
         without them (after a weight change) gets these weights attached and compiles in memory."""
-        xml = self.context.cache_file(key)
+        xml = self.target.context.cache_file(key)
         if xml is None:
             return None
-        part = PartitionReport("graph", ops=self.inputs.op_count, cache_hit=True)
+        part = PartitionReport("graph", ops=self.target.inputs.op_count, cache_hit=True)
         if not _weightless(xml):
             return self.whole_graph_variant(xml, part, report)
         model = self._read_whole(xml, weight_values)
         if model is None:
             logger.warning("%s: the cached model of the whole graph does not fit its weights; tracing again",
-                           self.name)
+                           self.target.name)
             return None
         return self.whole_graph_variant(model, part, report)
 
@@ -133,15 +122,15 @@ class StaticBuilds:
         """A variant from a model of the whole graph (its inputs are the graph's tensor inputs, scalars
         baked); None when it cannot be compiled."""
         try:
-            compiled = self.context.compile(model, part)
+            compiled = self.target.context.compile(model, part)
         except RuntimeError as err:
             logger.warning("%s: the model of the whole graph could not be compiled (%s); converting again",
-                           self.name, err)
+                           self.target.name, err)
             return None
         report.partitions.append(part)
-        runner = OVRunner(compiled, self.inputs.output_dtypes())
+        runner = OVRunner(compiled, self.target.inputs.output_dtypes())
         logger.info("OpenVINO compiled %s", report.summary())
-        baked = self.inputs.scalar_tensors
+        baked = self.target.inputs.scalar_tensors
         return Variant(lambda user: tuple(runner([v for pos, v in enumerate(user)
                                                   if isinstance(v, torch.Tensor) and pos not in baked])),
                        in_openvino=True, releasable=True)

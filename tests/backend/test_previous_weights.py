@@ -18,7 +18,7 @@ from ov_backend.graph_runs import GraphCollector, GraphRunCounter
 from ov_backend.memory import SystemMemory, system_memory
 
 from .conftest import F32_ATOL, F32_RTOL, f32_backend
-from .test_live_weights import Block
+from .test_weight_binding import Block
 
 
 def run(compiled, model, batch: int, height: int, width: int = 8) -> torch.Tensor:

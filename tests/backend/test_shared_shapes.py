@@ -16,7 +16,7 @@ from ov_backend import OVBackend
 from ov_backend.graph_runs import GraphCollector, GraphRunCounter
 
 from .conftest import f32_backend as make_backend
-from .test_live_weights import Block, call
+from .test_weight_binding import Block, call
 
 
 def shared(report) -> bool:

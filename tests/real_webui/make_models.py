@@ -14,7 +14,10 @@ Settings -> VAE -> TAESD; offline it must be there).
 Random weights are made non-degenerate the way a trained model is: LDM zero-initialises every
 ResBlock's last conv and every transformer's output projection (the UNet would return 0 whatever the
 prompt), and a fresh CLIP ends in a LayerNorm of weight 1, bias 0 (conditioning mean ~1e-9, which
-A1111's emphasis step divides by). Both are re-initialised, and the result is checked.
+A1111's emphasis step divides by). Both are re-initialised, and the result is checked
+(:func:`random_ldm_model`, which ``.ci/build_testbed.py`` also uses for the bench's full-size SD 1.5
+checkpoints). Importing this file runs nothing: the LDM code is imported once :func:`use_webui_ldm` has
+put the WebUI's copy on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -23,21 +26,8 @@ import json
 import os
 import shutil
 import sys
+from typing import Any
 
-WEBUI, DATA_DIR, CLIP_SNAPSHOT = sys.argv[1:4]
-sys.path[:0] = [os.path.join(WEBUI, "repositories", "stable-diffusion-stability-ai")]
-
-import pytorch_lightning.utilities.rank_zero  # noqa: E402
-import torch  # noqa: E402
-
-sys.modules.setdefault("pytorch_lightning.utilities.distributed", pytorch_lightning.utilities.rank_zero)
-import transformers  # noqa: E402
-from ldm.util import instantiate_from_config  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-MODELS = os.path.join(DATA_DIR, "models")
-CLIP_DIR = os.path.join(MODELS, "ovtest-clip")
 CLIP_CONFIG = {
     "model_type": "clip_text_model",
     "architectures": ["CLIPTextModel"],
@@ -62,9 +52,66 @@ CLIP_CONFIG = {
 }
 
 
-def ldm_config() -> dict:
+def use_webui_ldm(webui: str) -> None:
+    """Make the WebUI's LDM code importable as the WebUI does: its stable-diffusion repository first on
+    ``sys.path``, and ``pytorch_lightning.utilities.distributed`` (which LDM imports, gone from the
+    WebUI's pytorch_lightning) as ``rank_zero``."""
+    sys.path[:0] = [os.path.join(webui, "repositories", "stable-diffusion-stability-ai")]
+    import pytorch_lightning.utilities.rank_zero
+
+    sys.modules.setdefault("pytorch_lightning.utilities.distributed", pytorch_lightning.utilities.rank_zero)
+
+
+def random_ldm_model(model_config: Any, seed: int) -> tuple[Any, Any]:
+    """An LDM ``LatentDiffusion`` of random weights for ``model_config`` (the ``model`` node of an LDM
+    config), made non-degenerate and checked; returns it with the generator that drew its text encoder's
+    LayerNorm affines (its next draws are the caller's). Needs :func:`use_webui_ldm` first.
+
+    LDM zero-initialises the last conv of every UNet ResBlock and each transformer's output projection
+    (the UNet would return 0 whatever the prompt): those get PyTorch's default init. A fresh CLIP text
+    encoder ends in LayerNorms of weight 1 and bias 0 (the conditioning's mean is ~1e-9, which A1111's
+    emphasis divides by: NaN): they get a random affine. The order of random draws is fixed, so a seed
+    always gives the same weights."""
+    import torch
+    import transformers
+    from ldm.util import instantiate_from_config
+
+    # No weights exist offline: the CLIP text model is built from its config (random init).
+    transformers.CLIPTextModel.from_pretrained = classmethod(
+        lambda cls, name, *a, **k: cls(transformers.CLIPTextConfig.from_pretrained(name))
+    )
+    torch.manual_seed(seed)
+    model = instantiate_from_config(model_config)
+    unet = model.model.diffusion_model
+    projections = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in unet.modules():
+            if isinstance(m, projections) and not m.weight.any():
+                m.reset_parameters()
+        encoder = model.cond_stage_model
+        encoder.device = "cpu"
+        for m in encoder.transformer.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
+                m.bias.copy_(0.1 + 0.1 * torch.randn(m.bias.shape, generator=gen))
+        z = model.get_learned_conditioning(["", "a lighthouse", "(a red car:1.3)", "blurry"])
+        means = z.mean(dim=(1, 2))
+        eps = unet(torch.randn(2, 4, 8, 8), torch.tensor([500, 500]), z[1:3])
+    assert means.abs().min() > 0.02 and z.isfinite().all(), f"conditioning means too close to 0: {means}"
+    assert eps.isfinite().all() and eps.std() > 0.05, f"UNet output std {eps.std()}"
+    assert not any(isinstance(m, projections) and not m.weight.any() for m in unet.modules())
+    print(  # noqa: T201 (run by the test bed; its output is read on failure)
+        f"seed {seed}: conditioning means {[round(float(m), 3) for m in means]}, UNet eps std {float(eps.std()):.3f}"
+    )
+    return model, gen
+
+
+def ldm_config(webui: str, clip_dir: str) -> dict:
     """SD 1.5's layout (LDM classes, crossattn conditioning, 8x VAE) at a few thousandths of its size."""
-    base = OmegaConf.to_container(OmegaConf.load(os.path.join(WEBUI, "configs", "v1-inference.yaml")))
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.to_container(OmegaConf.load(os.path.join(webui, "configs", "v1-inference.yaml")))
     params = base["model"]["params"]
     params["unet_config"]["params"].update(
         model_channels=32,
@@ -75,60 +122,43 @@ def ldm_config() -> dict:
         context_dim=CLIP_CONFIG["hidden_size"],
     )
     params["first_stage_config"]["params"]["ddconfig"].update(ch=32, ch_mult=[1, 1, 1, 1], num_res_blocks=1)
-    params["cond_stage_config"]["params"] = {"version": CLIP_DIR}
+    params["cond_stage_config"]["params"] = {"version": clip_dir}
     return base
 
 
-def write_clip_folder() -> None:
-    os.makedirs(CLIP_DIR, exist_ok=True)
+def write_clip_folder(clip_dir: str, clip_snapshot: str) -> None:
+    os.makedirs(clip_dir, exist_ok=True)
     for name in ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"):
-        shutil.copyfile(os.path.join(CLIP_SNAPSHOT, name), os.path.join(CLIP_DIR, name))
-    with open(os.path.join(CLIP_DIR, "config.json"), "w") as f:
+        shutil.copyfile(os.path.join(clip_snapshot, name), os.path.join(clip_dir, name))
+    with open(os.path.join(clip_dir, "config.json"), "w") as f:
         json.dump(CLIP_CONFIG, f, indent=2)
 
 
-def build(seed: int, config: dict) -> dict[str, torch.Tensor]:
-    # No weights exist offline: the CLIP text model is built from its config (random init).
-    transformers.CLIPTextModel.from_pretrained = classmethod(
-        lambda cls, name, *a, **k: cls(transformers.CLIPTextConfig.from_pretrained(name))
-    )
-    torch.manual_seed(seed)
-    model = instantiate_from_config(OmegaConf.create(config)["model"])
-    unet = model.model.diffusion_model
-    gen = torch.Generator().manual_seed(seed)
+def build(seed: int, config: dict) -> tuple[dict[str, Any], Any]:
+    """A tiny checkpoint's tensors and its model: :func:`random_ldm_model`, then the VAE decoder scaled."""
+    import torch
+    from omegaconf import OmegaConf
+
+    model, gen = random_ldm_model(OmegaConf.create(config)["model"], seed)
     with torch.no_grad():
-        for m in unet.modules():
-            if isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)) and not m.weight.any():
-                m.reset_parameters()
-        encoder = model.cond_stage_model
-        encoder.device = "cpu"
-        for m in encoder.transformer.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
-                m.bias.copy_(0.1 + 0.1 * torch.randn(m.bias.shape, generator=gen))
-        z = model.get_learned_conditioning(["", "a lighthouse", "(a red car:1.3)", "blurry"])
-        means = z.mean(dim=(1, 2))
-        assert means.abs().min() > 0.02 and z.isfinite().all(), f"conditioning means too close to 0: {means}"
         # Scale the decoder's last conv so a typical latent decodes to mid-range pixels (not all clipped).
         vae = model.first_stage_model
         out = vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / model.scale_factor)
         vae.decoder.conv_out.weight.mul_(0.5 / out.std())
         vae.decoder.conv_out.bias.zero_()
         image = ((vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / model.scale_factor) + 1) / 2).clamp(0, 1)
-        eps = unet(torch.randn(2, 4, 8, 8), torch.tensor([500, 500]), z[1:3])
-    assert eps.isfinite().all() and eps.std() > 0.05, f"UNet output std {eps.std()}"
     clipped = float(((image <= 0) | (image >= 1)).float().mean())
     assert 0.05 < float(image.std()) and clipped < 0.5, f"decoded image std {image.std()}, clipped {clipped}"
-    print(  # noqa: T201 (a script run by the test bed; its output is read on failure)
-        f"seed {seed}: conditioning means {[round(float(m), 3) for m in means]}, UNet eps std "
-        f"{float(eps.std()):.3f}, image std {float(image.std()):.3f} ({clipped:.0%} clipped)"
-    )
+    print(f"seed {seed}: image std {float(image.std()):.3f} ({clipped:.0%} clipped)")  # noqa: T201
     return {k: v.contiguous() for k, v in model.state_dict().items()}, model
 
 
-def write_lora(model) -> None:
+def write_lora(model: Any, models: str) -> None:
     """A rank-4 kohya LoRA on every attention projection of the UNet and every projection of the text
     encoder, named as A1111's Lora extension looks them up."""
+    import torch
+    from safetensors.torch import save_file
+
     gen = torch.Generator().manual_seed(7)
     tensors: dict[str, torch.Tensor] = {}
     names = [
@@ -148,16 +178,17 @@ def write_lora(model) -> None:
         tensors[f"{key}.lora_down.weight"] = down
         tensors[f"{key}.lora_up.weight"] = up
         tensors[f"{key}.alpha"] = torch.tensor(float(rank))
-    os.makedirs(os.path.join(MODELS, "Lora"), exist_ok=True)
-    save_file(tensors, os.path.join(MODELS, "Lora", "ovtest-lora.safetensors"))
+    os.makedirs(os.path.join(models, "Lora"), exist_ok=True)
+    save_file(tensors, os.path.join(models, "Lora", "ovtest-lora.safetensors"))
     print(f"LoRA: {len(names)} layers")  # noqa: T201
 
 
-def write_taesd_decoder() -> None:
+def write_taesd_decoder(models: str) -> None:
     """A TAESD decoder of random weights, in the layout the WebUI's ``sd_vae_taesd.decoder()`` loads: a
     ``Sequential`` of 3x3 convs and residual blocks (three convs each) with three 2x upsamplings; only the
     modules with weights are built, at their indices. Its last conv is scaled so that the picture is not
     flat (at PyTorch's default init the output's spread is about 0.01 around 0, a black image)."""
+    import torch
 
     def block() -> torch.nn.Module:
         body = torch.nn.Sequential(*(torch.nn.Conv2d(64, 64, 3, padding=1) if i % 2 == 0 else torch.nn.ReLU()
@@ -174,17 +205,23 @@ def write_taesd_decoder() -> None:
         layers["19"].weight.mul_(25.0)
         layers["19"].bias.fill_(0.5)
     state = {f"{index}.{key}": value for index, layer in layers.items() for key, value in layer.state_dict().items()}
-    folder = os.path.join(MODELS, "VAE-taesd")
+    folder = os.path.join(models, "VAE-taesd")
     os.makedirs(folder, exist_ok=True)
     # the legacy format: the WebUI's safe unpickler refuses the newer zip entries (.format_version, ...)
     torch.save(state, os.path.join(folder, "taesd_decoder.pth"), _use_new_zipfile_serialization=False)
 
 
-def main() -> None:
-    write_clip_folder()
-    write_taesd_decoder()
-    config = ldm_config()
-    folder = os.path.join(MODELS, "Stable-diffusion")
+def main(webui: str, data_dir: str, clip_snapshot: str) -> None:
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    use_webui_ldm(webui)
+    models = os.path.join(data_dir, "models")
+    clip_dir = os.path.join(models, "ovtest-clip")
+    write_clip_folder(clip_dir, clip_snapshot)
+    write_taesd_decoder(models)
+    config = ldm_config(webui, clip_dir)
+    folder = os.path.join(models, "Stable-diffusion")
     os.makedirs(folder, exist_ok=True)
     for name, seed in (("ovtest-tiny-a", 1), ("ovtest-tiny-b", 2)):
         state, model = build(seed, config)
@@ -193,8 +230,8 @@ def main() -> None:
         save_file(state, os.path.join(folder, name + ".safetensors.part"))
         os.replace(os.path.join(folder, name + ".safetensors.part"), os.path.join(folder, name + ".safetensors"))
         if seed == 1:
-            write_lora(model)
+            write_lora(model, models)
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:4])

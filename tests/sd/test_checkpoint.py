@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ov_accelerate_sd.checkpoint import CheckpointError, detect_family, read_checkpoint
-from ov_accelerate_sd.convert import unet_rules, vae_rules
+from ov_accelerate_sd.ldm_layout import unet_rules, vae_rules
 from ov_accelerate_sd.loader import family_config, load_components
 
 

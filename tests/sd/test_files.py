@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from ov_accelerate_sd.demo import demo_checkpoint
+from ov_accelerate_sd.demo_checkpoint import demo_checkpoint
 from ov_accelerate_sd.pnginfo import read_png_infotext, save_png
 from ov_backend.files import atomic_path
 

@@ -58,10 +58,6 @@ class _Rules:
         return key
 
 
-def _as_list(value: object, n: int) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value] * n
-
-
 def unet_rules(config: Mapping) -> _Rules:
     """The UNet table for a diffusers ``UNet2DConditionModel`` config."""
     rules = _Rules()

@@ -4,10 +4,11 @@ OpenVINO's PyTorch frontend makes a weight tensor's constant share its memory wi
 contiguous tensor of a type OpenVINO has). A model converted that way reads its weights at compile
 time: after the weights were changed in place (A1111's LoRA code writes ``weight.copy_(...)``; a
 checkpoint load does the same), compiling the model again gives a compiled model of the new weights
-without converting anything. :class:`LiveModel` records, right after a conversion, which weights the
-model shares and which it holds a copy of (e.g. a layer norm's weight the frontend reshaped), and
+without converting anything. :class:`WeightBoundModel` records, right after a conversion, which weights
+the model shares and which it holds a copy of (e.g. a layer norm's weight the frontend reshaped), and
 answers whether the model still stands for a given set of weights: the same tensor objects at the
-same addresses, and every weight it copied unchanged.
+same addresses, and every weight it copied unchanged. For the disk cache, :func:`weightless_copy` turns
+the shared constants into named parameters and :func:`attach_weights` binds the tensors to them again.
 
 A constant that the frontend derived from a weight (a transposed or converted copy) would not follow
 the tensor. Such a copy has the weight's element count and kind (float or integer): every weight
@@ -58,7 +59,7 @@ def _constants(model: ov.Model) -> list[_Constant]:
     return [_Constant(op) for op in model.get_ordered_ops() if op.get_type_name() == "Constant"]
 
 
-class LiveModel:
+class WeightBoundModel:
     """A converted model and the weights it shares memory with.
 
     Args:

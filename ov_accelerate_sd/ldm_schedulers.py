@@ -1,4 +1,4 @@
-"""diffusers schedulers that walk the WebUI's noise levels and timesteps.
+"""diffusers schedulers that walk the noise levels and timesteps of the LDM and k-diffusion samplers.
 
 Owns one subclass per diffusers scheduler the sampler table uses. Each keeps its parent's
 update rule (so the diffusers pipelines run unchanged) and replaces what ``set_timesteps``

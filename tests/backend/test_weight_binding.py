@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ov_backend import OVBackend
-from ov_backend.live import LiveModel
+from ov_backend.weight_binding import WeightBoundModel
 from ov_backend.weights import digests
 
 from .conftest import F32_ATOL, F32_RTOL, f32_backend
@@ -202,20 +202,20 @@ def _shared(t: torch.Tensor) -> ov.Node:
     return ops.constant(t.numpy(), shared_memory=True)
 
 
-def test_live_model_rules():
-    """The rules :class:`LiveModel` applies, on a model built by hand."""
+def test_weight_bound_model_rules():
+    """The rules :class:`WeightBoundModel` applies, on a model built by hand."""
     shared_w = torch.randn(3, 4)
     copied_w = torch.randn(4)
     model = _model_of(_shared(shared_w), ops.constant(copied_w.numpy().copy()))
     ws = [shared_w, copied_w]
-    live = LiveModel(model, ws, digests(ws))
-    assert live.shared_bytes == shared_w.numel() * 4 and live.copied_bytes == copied_w.numel() * 4
-    assert live.serves(ws, digests(ws))
+    bound = WeightBoundModel(model, ws, digests(ws))
+    assert bound.shared_bytes == shared_w.numel() * 4 and bound.copied_bytes == copied_w.numel() * 4
+    assert bound.serves(ws, digests(ws))
     shared_w.add_(1.0)  # read from the tensor: still serves
-    assert live.serves(ws, digests(ws))
+    assert bound.serves(ws, digests(ws))
     copied_w.add_(1.0)  # the model holds an older copy: does not
-    assert not live.serves(ws, digests(ws))
-    assert not live.serves([shared_w.clone(), copied_w], digests([shared_w.clone(), copied_w]))
+    assert not bound.serves(ws, digests(ws))
+    assert not bound.serves([shared_w.clone(), copied_w], digests([shared_w.clone(), copied_w]))
 
 
 def test_an_integer_constant_is_never_taken_for_a_copy_of_a_float_weight():
@@ -224,10 +224,10 @@ def test_an_integer_constant_is_never_taken_for_a_copy_of_a_float_weight():
     x = ops.parameter([1, 1, 1, 4], np.float32, name="x")
     permuted = ops.transpose(ops.add(x, _shared(bias)), ops.constant(np.array([0, 3, 1, 2], dtype=np.int64)))
     model = ov.Model([permuted], [x])
-    live = LiveModel(model, [bias], digests([bias]))
-    assert live.shared_bytes == 16 and live.copied_bytes == 0
+    bound = WeightBoundModel(model, [bias], digests([bias]))
+    assert bound.shared_bytes == 16 and bound.copied_bytes == 0
     bias.add_(1.0)
-    assert live.serves([bias], digests([bias]))
+    assert bound.serves([bias], digests([bias]))
 
 
 def test_a_copy_with_a_shared_weights_element_count_makes_it_count_as_copied():
@@ -235,10 +235,10 @@ def test_a_copy_with_a_shared_weights_element_count_makes_it_count_as_copied():
     so that weight must stay unchanged for the model to be reused."""
     w = torch.randn(3, 4)
     model = _model_of(_shared(w), ops.constant(w.t().contiguous().numpy()))
-    live = LiveModel(model, [w], digests([w]))
-    assert live.shared_bytes == 0
+    bound = WeightBoundModel(model, [w], digests([w]))
+    assert bound.shared_bytes == 0
     w.add_(1.0)
-    assert not live.serves([w], digests([w]))
+    assert not bound.serves([w], digests([w]))
 
 
 class Wide(Block):
@@ -282,7 +282,7 @@ def test_the_disk_cache_stores_no_copy_of_the_weights_and_a_restart_follows_chan
 
 def test_a_stored_model_that_does_not_fit_the_weights_is_converted_again(tmp_path):
     """Another graph's tensors (here: other shapes) never get attached to a stored model."""
-    from ov_backend.live import attach_weights, weightless_copy
+    from ov_backend.weight_binding import attach_weights, weightless_copy
 
     model = Block().eval()
     weights = list(model.parameters())

@@ -1,6 +1,6 @@
 """Checkpoint conversion checked against diffusers' own single-file converters (the oracle).
 
-``ov_accelerate_sd.convert`` has one table per component, used both to read WebUI files and to write
+``ov_accelerate_sd.ldm_layout`` has one table per component, used both to read WebUI files and to write
 the tiny test checkpoints, so a test that writes with it and reads back with it cannot see a wrong
 row (``norm1`` <-> ``norm2``, OpenCLIP's q/k order, ...). Here diffusers 0.31's
 ``diffusers.loaders.single_file_utils`` converters, written independently for the same LDM/sgm layout,
