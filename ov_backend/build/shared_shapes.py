@@ -52,7 +52,7 @@ class SharedShapes:
             return False
         if mode == "always" or store.all_shapes is not None:
             return True
-        return self.target.context.settings.device == "CPU" and (
+        return self.target.context.settings.on_cpu and (
             recapture or any(key != sig for key in store.one_shape_variants()))
 
     def for_all_shapes(self, base: ov.Model, store: WeightSet, part: PartitionReport, report: CompileReport,

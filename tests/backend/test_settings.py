@@ -100,6 +100,8 @@ def test_frozen_and_replace():
     assert s.compile_config == {"INFERENCE_PRECISION_HINT": "f32"}
     assert build_settings(t) == t
     assert isinstance(t, BackendSettings)
+    assert t.on_cpu and dataclasses.replace(t, device="CPU.0").on_cpu
+    assert not dataclasses.replace(t, device="GPU").on_cpu
 
 
 def test_min_partition_ops():
