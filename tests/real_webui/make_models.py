@@ -1,4 +1,4 @@
-"""Builds the real-host tier's tiny SD-1.5-shaped checkpoints, their LDM configs and a LoRA.
+"""Builds the real-host tier's tiny SD-1.5-shaped checkpoints, their LDM configs and LoRAs of each kind.
 
 Run by the test bed's Python (the WebUI's venv, with the WebUI's ``repositories/`` importable), never
 by the project's own venv: the checkpoints are made by instantiating LDM's own classes from a small
@@ -7,8 +7,8 @@ checkpoint (A1111 reads a config found there instead of guessing one from the we
 
 Usage: ``python make_models.py <webui folder> <data dir> <HF snapshot of CLIP-L's tokenizer>``.
 Writes into ``<data dir>/models``: ``Stable-diffusion/ovtest-tiny-{a,b}.{safetensors,yaml}``,
-``Lora/ovtest-lora.safetensors``, the tiny CLIP text model's folder ``ovtest-clip/`` and a random TAESD
-decoder, ``VAE-taesd/taesd_decoder.pth`` (the WebUI would download the trained one on first use of
+``Lora/ovtest-{lora,locon,loha,lokr}.safetensors``, the tiny CLIP text model's folder ``ovtest-clip/`` and a
+random TAESD decoder, ``VAE-taesd/taesd_decoder.pth`` (the WebUI would download the trained one on first use of
 Settings -> VAE -> TAESD; offline it must be there).
 
 Random weights are made non-degenerate the way a trained model is: LDM zero-initialises every
@@ -153,24 +153,41 @@ def build(seed: int, config: dict) -> tuple[dict[str, Any], Any]:
     return {k: v.contiguous() for k, v in model.state_dict().items()}, model
 
 
-def write_lora(model: Any, models: str) -> None:
-    """A rank-4 kohya LoRA on every attention projection of the UNet and every projection of the text
-    encoder, named as A1111's Lora extension looks them up."""
+def _lora_layers(model: Any, convolutions: bool = False) -> list[tuple[str, Any]]:
+    """(kohya name, module) of every attention projection of the UNet and every projection of the text
+    encoder (and with ``convolutions``, every convolution of the UNet's residual blocks), named as A1111's
+    Lora extension looks them up."""
     import torch
-    from safetensors.torch import save_file
 
-    gen = torch.Generator().manual_seed(7)
-    tensors: dict[str, torch.Tensor] = {}
     names = [
         (f"lora_unet_{n.replace('.', '_')}", m)
         for n, m in model.model.diffusion_model.named_modules()
         if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in ("to_q", "to_k", "to_v") or n.endswith("to_out.0")
+        or convolutions and isinstance(m, torch.nn.Conv2d) and (n.endswith("in_layers.2") or n.endswith("out_layers.3"))
     ]
     names += [
         (f"lora_te_{n.replace('.', '_')}", m)
         for n, m in model.cond_stage_model.transformer.named_modules()
         if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "out_proj")
     ]
+    return names
+
+
+def _save_lora(tensors: dict[str, Any], models: str, name: str, layers: int) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.join(models, "Lora"), exist_ok=True)
+    save_file(tensors, os.path.join(models, "Lora", f"{name}.safetensors"))
+    print(f"{name}: {layers} layers")  # noqa: T201
+
+
+def write_lora(model: Any, models: str) -> None:
+    """A rank-4 kohya LoRA (``ovtest-lora``) on the layers of :func:`_lora_layers`."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    tensors: dict[str, torch.Tensor] = {}
+    names = _lora_layers(model)
     rank = 4
     for key, m in names:
         down = torch.randn(rank, m.in_features, generator=gen) / m.in_features**0.5
@@ -178,9 +195,51 @@ def write_lora(model: Any, models: str) -> None:
         tensors[f"{key}.lora_down.weight"] = down
         tensors[f"{key}.lora_up.weight"] = up
         tensors[f"{key}.alpha"] = torch.tensor(float(rank))
-    os.makedirs(os.path.join(models, "Lora"), exist_ok=True)
-    save_file(tensors, os.path.join(models, "Lora", "ovtest-lora.safetensors"))
-    print(f"LoRA: {len(names)} layers")  # noqa: T201
+    _save_lora(tensors, models, "ovtest-lora", len(names))
+
+
+def write_lora_kinds(model: Any, models: str) -> None:
+    """The other kinds A1111's Lora extension loads, each of which changes a weight by ``0.6 * its std`` per
+    element, give or take: ``ovtest-locon`` (kohya LoRA on the residual blocks' 3x3 and 1x1 convolutions too),
+    ``ovtest-loha`` (LyCORIS LoHa: the elementwise product of two rank-4 products) and ``ovtest-lokr`` (LyCORIS
+    LoKr: the Kronecker product of a 4x4 matrix and a full one)."""
+    import torch
+
+    rank = 4
+    gen = torch.Generator().manual_seed(11)
+    locon: dict[str, torch.Tensor] = {}
+    layers = _lora_layers(model, convolutions=True)
+    for key, m in layers:
+        scale = 0.6 * float(m.weight.std())
+        if isinstance(m, torch.nn.Conv2d):
+            fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+            down = torch.randn(rank, m.in_channels, *m.kernel_size, generator=gen)
+            locon[f"{key}.lora_down.weight"] = down / fan_in**0.5
+            locon[f"{key}.lora_up.weight"] = torch.randn(m.out_channels, rank, 1, 1, generator=gen) * scale
+        else:
+            locon[f"{key}.lora_down.weight"] = torch.randn(rank, m.in_features, generator=gen) / m.in_features**0.5
+            locon[f"{key}.lora_up.weight"] = torch.randn(m.out_features, rank, generator=gen) * scale
+        locon[f"{key}.alpha"] = torch.tensor(float(rank))
+    _save_lora(locon, models, "ovtest-locon", len(layers))
+
+    gen = torch.Generator().manual_seed(12)
+    loha: dict[str, torch.Tensor] = {}
+    layers = _lora_layers(model)
+    for key, m in layers:
+        for i, scale in ((1, 0.6 * float(m.weight.std())), (2, 1.0)):
+            loha[f"{key}.hada_w{i}_a"] = torch.randn(m.out_features, rank, generator=gen) * scale
+            loha[f"{key}.hada_w{i}_b"] = torch.randn(rank, m.in_features, generator=gen) / rank**0.5
+        loha[f"{key}.alpha"] = torch.tensor(float(rank))
+    _save_lora(loha, models, "ovtest-loha", len(layers))
+
+    gen = torch.Generator().manual_seed(13)
+    lokr: dict[str, torch.Tensor] = {}
+    for key, m in layers:
+        assert m.out_features % 4 == 0 and m.in_features % 4 == 0, (key, m)
+        lokr[f"{key}.lokr_w1"] = torch.randn(4, 4, generator=gen)
+        lokr[f"{key}.lokr_w2"] = torch.randn(m.out_features // 4, m.in_features // 4, generator=gen) * (
+            0.6 * float(m.weight.std()))
+    _save_lora(lokr, models, "ovtest-lokr", len(layers))
 
 
 def write_taesd_decoder(models: str) -> None:
@@ -231,6 +290,7 @@ def main(webui: str, data_dir: str, clip_snapshot: str) -> None:
         os.replace(os.path.join(folder, name + ".safetensors.part"), os.path.join(folder, name + ".safetensors"))
         if seed == 1:
             write_lora(model, models)
+            write_lora_kinds(model, models)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """LoRA the way A1111 does it: ``<lora:...>`` in the prompt, with the parts routed through OpenVINO, gives
-stock A1111's picture with the same LoRA, follows every change of the LoRA's weight (never a stale
+stock A1111's picture with the same LoRA (of each kind its Lora extension loads: LoRA, LoCon, LoHa, LoKr),
+follows every change of the LoRA's weight (never a stale
 picture), and many changes keep the WebUI's memory bounded.
 
 The LoRA (``ovtest-lora``, written by ``make_models.py``) changes every attention projection of the tiny
@@ -102,6 +103,30 @@ def test_lora_then_stock_without_it(webui: WebUI) -> None:
     assert_ran_in_openvino(webui.status())
     after = webui.generate(request(text))
     assert min_psnr(before, after) >= MIN_PSNR
+
+
+@pytest.mark.parametrize("kind", ["ovtest-locon", "ovtest-loha", "ovtest-lokr"])
+def test_each_kind_of_lora_the_webui_loads_matches_stock(webui: WebUI, kind: str) -> None:
+    """A LoCon (the residual blocks' convolutions too), a LyCORIS LoHa and a LyCORIS LoKr, as A1111's built-in
+    Lora extension loads them (``network_lora``, ``network_hada``, ``network_lokr``), give stock's picture with
+    them. Stock's own pictures show first that each moves the picture past the bound; afterwards A1111's
+    weights are its own again."""
+    text = f"a stone bridge over a river, {next(_texts)}"
+    prompt = f"{text} <lora:{kind}:1>"
+    plain = webui.generate(request(text))
+    fast = webui.generate(accelerated(request(prompt)))  # A1111 applies the LoRA during the accelerated run
+    fast.status = webui.status()
+    stock = webui.generate(request(prompt))
+    moved = min_psnr(plain, stock)
+    webui.record(f"stock {kind} vs none", moved)
+    assert moved < MIN_PSNR, f"{kind} does not move stock's picture ({moved:.1f} dB): the test would see nothing"
+    note_cost(webui, kind, fast.status)
+    assert_ran_in_openvino(fast.status)
+    value = min_psnr(stock, fast)
+    webui.record(f"{kind}: accelerated vs stock", value)
+    assert value >= MIN_PSNR, f"{kind}: {value:.1f} dB\n{fast.status['status']}"
+    assert set(fast.status["lora_changes"].values()) == {f"{kind}:1"}, fast.status
+    assert min_psnr(plain, webui.generate(request(text))) >= MIN_PSNR
 
 
 def test_going_back_to_the_weights_before_compiles_nothing(webui: WebUI) -> None:
