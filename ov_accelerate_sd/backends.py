@@ -66,10 +66,18 @@ class BackendChoice:
 class Mark:
     """The backends' reports and counters at one moment (:meth:`Backends.mark`)."""
 
-    reports: dict[int, int]
-    """id of a backend -> how many compile reports it had."""
-    stats: dict[int, dict[str, float]]
-    """id of a backend -> its counters."""
+    backends: dict[BackendChoice, OVBackend]
+    """choice -> its backend (one made again after :meth:`Backends.reset` is another, counted from zero)."""
+    reports: dict[BackendChoice, int]
+    """choice -> how many compile reports its backend had."""
+    stats: dict[BackendChoice, dict[str, float]]
+    """choice -> its backend's counters."""
+
+    def reports_of(self, choice: BackendChoice, backend: OVBackend) -> int:
+        return self.reports.get(choice, 0) if self.backends.get(choice) is backend else 0
+
+    def stats_of(self, choice: BackendChoice, backend: OVBackend) -> dict[str, float]:
+        return self.stats.get(choice, {}) if self.backends.get(choice) is backend else {}
 
 
 class Backends:
@@ -110,8 +118,11 @@ class Backends:
         return counter.backend if counter is not None else None
 
     def all(self) -> list[OVBackend]:
+        return list(self._by_choice().values())
+
+    def _by_choice(self) -> dict[BackendChoice, OVBackend]:
         with self._lock:
-            return [counter.backend for counter in self._counters.values()]
+            return {choice: counter.backend for choice, counter in self._counters.items()}
 
     def calibrate(self, choice: BackendChoice) -> int:
         """At a quantized ``choice``: quantize the UNet's graphs now on the calls recorded so far; returns how many
@@ -129,29 +140,30 @@ class Backends:
             backend.stop_windows()
 
     def mark(self) -> Mark:
-        backends = self.all()
-        return Mark({id(b): len(b.reports) for b in backends}, {id(b): dict(b.stats()) for b in backends})
+        backends = self._by_choice()
+        return Mark(backends, {c: len(b.reports) for c, b in backends.items()},
+                    {c: dict(b.stats()) for c, b in backends.items()})
 
     def reports_since(self, mark: Mark) -> list[CompileReport]:
         """The compile reports every backend made since ``mark`` (a backend made since then: all of its)."""
-        return [report for b in self.all() for report in b.reports[mark.reports.get(id(b), 0):]]
+        return [report for c, b in self._by_choice().items() for report in b.reports[mark.reports_of(c, b):]]
 
     def stats_since(self, mark: Mark) -> dict[str, float]:
-        """The counters of every backend since ``mark``, summed."""
+        """The counters of every backend since ``mark``, summed (a backend made since then: all of its)."""
         total: dict[str, float] = {}
-        for backend in self.all():
-            before = mark.stats.get(id(backend), {})
+        for choice, backend in self._by_choice().items():
+            before = mark.stats_of(choice, backend)
             for key, value in backend.stats().items():
                 total[key] = total.get(key, 0) + value - before.get(key, 0)
         return total
 
     def reports(self) -> list[CompileReport]:
         """Every backend's compile reports."""
-        return self.reports_since(Mark({}, {}))
+        return self.reports_since(Mark({}, {}, {}))
 
     def stats(self) -> dict[str, float]:
         """The counters of every backend, summed."""
-        return self.stats_since(Mark({}, {}))
+        return self.stats_since(Mark({}, {}, {}))
 
     def reset(self) -> None:
         """Drop every backend's compiled graphs, reports and counters, and forget the backends."""

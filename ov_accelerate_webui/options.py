@@ -42,7 +42,6 @@ KEEP_SIZES_LABEL = (
 #: Settings-tab option: what happens to the compiled models of the weights used before a LoRA or checkpoint
 #: change (the backend's ``previous_weights``, for each generation).
 PREVIOUS_WEIGHTS_OPTION = OPTION_PREFIX + "previous_weights"
-PREVIOUS_WEIGHTS_CHOICES = ("auto", "keep", "release")
 PREVIOUS_WEIGHTS_LABEL = (
     "Compiled models of the checkpoint or LoRA used before a change: keep them in memory, so going back "
     "compiles nothing (about 1.7 GB for an SD 1.5 UNet at bf16), or release them, also from parts not called "
@@ -90,8 +89,9 @@ class Options:
     keep_all_sizes: bool = False
     """Keep the compiled models of every size in memory (no use windows)."""
     previous_weights: str = "auto"
-    """The backend's ``previous_weights`` for each generation: "auto", "keep" or "release" (the backend checks it:
-    another value, e.g. edited by hand in ``config.json``, leaves the generation in PyTorch and says why)."""
+    """The backend's ``previous_weights`` for each generation, one of ``ov_backend.PREVIOUS_WEIGHTS`` (the backend
+    checks it: another value, e.g. edited by hand in ``config.json``, leaves the generation in PyTorch and says
+    why)."""
 
 
 def read_options() -> Options:

@@ -17,7 +17,7 @@ from typing import Any
 from ov_accelerate_sd.parts import PARTS
 
 from . import host
-from .backend_bridge import BackendUnavailable
+from .backend_bridge import BackendUnavailable, ov_backend
 from .infotext import expand_pasted
 from .options import (
     ENABLE_ALWAYS_LABEL,
@@ -25,7 +25,6 @@ from .options import (
     KEEP_SIZES_LABEL,
     KEEP_SIZES_OPTION,
     PRECISION_LABELS,
-    PREVIOUS_WEIGHTS_CHOICES,
     PREVIOUS_WEIGHTS_LABEL,
     PREVIOUS_WEIGHTS_OPTION,
     SECTION,
@@ -285,4 +284,4 @@ def add_settings_section(extension: Any) -> None:
     host.add_option(ENABLE_ALWAYS_OPTION, False, ENABLE_ALWAYS_LABEL, SECTION)
     host.add_option(KEEP_SIZES_OPTION, False, KEEP_SIZES_LABEL, SECTION)
     host.add_option(PREVIOUS_WEIGHTS_OPTION, "auto", PREVIOUS_WEIGHTS_LABEL, SECTION, component=gr.Radio,
-                    component_args={"choices": list(PREVIOUS_WEIGHTS_CHOICES)})
+                    component_args={"choices": list(ov_backend.PREVIOUS_WEIGHTS)})

@@ -32,6 +32,7 @@ _EXPORTS = {
     "BackendSettings": "ov_backend.settings",
     "build_settings": "ov_backend.settings",
     "default_cache_dir": "ov_backend.settings",
+    "PREVIOUS_WEIGHTS": "ov_backend.settings",
     "DEFAULT_PRECISION": "ov_backend.precision",
     "PRECISIONS": "ov_backend.precision",
     "QUANTIZED_PRECISIONS": "ov_backend.precision",
@@ -65,8 +66,8 @@ __all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "
     "CompiledMethod", "CompileReport", "default_cache_dir", "DEFAULT_PRECISION", "describe_eager",
     "device_info", "DeviceInfo", "EagerCalls", "format_bytes", "GraphCollector", "GraphRunCounter",
     "input_signature", "list_devices", "mark_varying", "ModelCache", "OpenVINOFallbackError", "ov_backend",
-    "OVBackend", "PartitionReport", "PRECISIONS", "QUANTIZED_PRECISIONS", "SavedCaptures", "sizes_may_be_one",
-    "Stats", "why_eager"]
+    "OVBackend", "PartitionReport", "PRECISIONS", "PREVIOUS_WEIGHTS", "QUANTIZED_PRECISIONS", "SavedCaptures",
+    "sizes_may_be_one", "Stats", "why_eager"]
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.backend import OVBackend, ov_backend
@@ -80,7 +81,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS, QUANTIZED_PRECISIONS
     from ov_backend.report import CompileReport, PartitionReport, Stats
     from ov_backend.saved_captures import SavedCaptures
-    from ov_backend.settings import BackendSettings, build_settings, default_cache_dir
+    from ov_backend.settings import PREVIOUS_WEIGHTS, BackendSettings, build_settings, default_cache_dir
 
 
 def __getattr__(name: str) -> Any:

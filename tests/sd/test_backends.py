@@ -74,6 +74,10 @@ def test_a_runs_reports_and_counters_are_those_of_every_backend_since_it_began()
     assert backends.calibrate(CHOICE) == 0
     backends.reset()
     assert unet.was_reset and vae.was_reset and f32.was_reset and backends.all() == []
+    again = backends.backend(int8.for_part("unet"))  # made again after a reset: counted from zero, not from mark
+    again.counts["ov_calls"] = 1
+    again.reports.append("unet again")
+    assert backends.stats_since(mark) == {"ov_calls": 1} and backends.reports_since(mark) == ["unet again"]
 
 
 def test_the_command_line_routes_the_unet_at_int8_and_the_rest_at_auto(tmp_path: Any) -> None:
