@@ -6,6 +6,11 @@ what it replaces, so diffusers' sampling loop runs unchanged), the backends that
 models (:class:`~.backends.Backends`: at INT8, the UNet's and the float one of the other parts), and
 ``restore()``. Parts not listed in ``SDSettings.accelerate`` stay in PyTorch.
 
+With step caching on (``SDSettings.step_cache``), the UNet's forward runs its split methods instead
+(:mod:`.step_cache`: a full call that keeps the deep feature, a shallow call that reuses it), each compiled
+through the UNet's backend; the pipeline says which sampler step each call belongs to
+(:attr:`Accelerator.step_cache`).
+
 Each part's forward is an ``ov_backend.CompiledMethod`` (the object the WebUI adapter routes with too:
 torch.compile, the captures saved in the disk cache, the check of each call): a call dynamo ran without
 any compiled graph (it gave up on the function, e.g. at its recompile limit) is counted with the reason,
@@ -23,6 +28,7 @@ from .backends import Backends
 from .loader import Components
 from .parts import VARYING_DIMS
 from .settings import SDSettings
+from .step_cache import StepCacheRun, split_unet
 
 if TYPE_CHECKING:
     from ov_backend import EagerCalls
@@ -46,6 +52,8 @@ class Accelerator:
         self.backends = backends or Backends()
         self._originals: list[tuple[torch.nn.Module, Any]] = []
         self._calls: EagerCalls | None = None
+        self.step_cache: StepCacheRun | None = None
+        """The UNet's step caching state while it is routed with step caching (else None)."""
 
     def targets(self) -> list[tuple[str, torch.nn.Module]]:
         """(part, module) pairs whose ``forward`` gets compiled under the current settings."""
@@ -72,13 +80,41 @@ class Accelerator:
         self._calls = EagerCalls()
         for part, module in self.targets():
             original = module.__dict__.get("forward")
-            method = CompiledMethod(module.forward, self.backends.counter(choice.for_part(part)), VARYING_DIMS,
-                                    code=getattr(type(module).forward, "__code__", None))
-            module.forward = self._calls.watch(part, method)
+            counter = self.backends.counter(choice.for_part(part))
+            if part == "unet" and self.settings.step_cache.enabled:
+                module.forward = self._step_cached(module, counter)
+            else:
+                method = CompiledMethod(module.forward, counter, VARYING_DIMS,
+                                        code=getattr(type(module).forward, "__code__", None))
+                module.forward = self._calls.watch(part, method)
             self._originals.append((module, original))
             logger.info("%s (%s) routed through ov_backend on %s", part, type(module).__name__,
                         self.settings.device)
         return self
+
+    def _step_cached(self, unet: torch.nn.Module, counter: Any) -> Any:
+        """The diffusers UNet's forward with step caching (same signature and result as its own)."""
+        from ov_backend import CompiledMethod
+
+        split = split_unet(unet, self.settings.step_cache.depth)
+        assert self._calls is not None
+        methods = {kind: self._calls.watch("unet", CompiledMethod(getattr(split, kind), counter, VARYING_DIMS, kind))
+                   for kind in ("full", "shallow")}
+        run = self.step_cache = StepCacheRun(self.settings.step_cache)
+
+        def forward(sample: torch.Tensor, timestep: Any, encoder_hidden_states: Any = None, *args: Any,
+                    return_dict: bool = True, **kwargs: Any) -> Any:
+            if args:
+                raise TypeError("the step-cached UNet takes its options by keyword, as diffusers' pipelines pass them")
+            out = run.call(split, (sample, timestep, encoder_hidden_states), kwargs,
+                           lambda kind, a, kw: methods[kind](*a, **kw))
+            if not return_dict:
+                return (out,)
+            from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+            return UNet2DConditionOutput(sample=out)
+
+        return forward
 
     def restore(self) -> None:
         """Put the PyTorch forwards back and drop the compiled models."""
@@ -88,6 +124,7 @@ class Accelerator:
             else:
                 module.forward = original
         self._originals.clear()
+        self.step_cache = None
         self.backends.reset()
         torch._dynamo.reset()
 

@@ -142,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-cache", action="store_true", help="do not read or write the compiled-model cache")
     gen.add_argument("--pytorch", action="append", choices=PARTS, default=[], metavar="PART",
                      help=f"leave this part in PyTorch (repeatable; one of {', '.join(PARTS)})")
+    gen.add_argument("--step-cache", type=_positive, default=1, metavar="N",
+                     help="step caching (DeepCache): the full UNet every N sampler steps, only its shallow blocks on "
+                          "the steps between (faster; the picture differs a little: docs/step-cache.md). "
+                          "Default 1: off")
+    gen.add_argument("--step-cache-depth", type=_positive, default=2, metavar="D",
+                     help="input blocks (and as many output blocks) a shallow step runs (default 2)")
+    gen.add_argument("--step-cache-start", type=_positive, default=2, metavar="K",
+                     help="sampler steps at the start that always run the full UNet (default 2)")
+    gen.add_argument("--step-cache-end", type=_integer, default=1, metavar="K",
+                     help="sampler steps at the end that always run the full UNet (default 1)")
     gen.add_argument("--out", type=Path, default=Path("outputs"),
                      help="folder for the PNGs, created if missing (default: outputs, in the current folder)")
 

@@ -189,10 +189,17 @@ def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Pa
     options: dict[str, Any] = {
         "device": args.device, "precision": args.precision, "model_caching": not args.no_cache,
         "accelerate": [p for p in PARTS if p not in args.pytorch],
+        "step_cache": {"interval": args.step_cache, "depth": args.step_cache_depth,
+                       "full_start": args.step_cache_start, "full_end": args.step_cache_end},
     }
     if args.cache_dir is not None:
         options["cache_dir"] = str(args.cache_dir)
-    settings = build_sd_settings(options)
+    try:
+        settings = build_sd_settings(options)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if settings.step_cache.enabled and "unet" not in settings.accelerate:
+        parser.error("--step-cache caches the UNet's steps in OpenVINO: it cannot go with --pytorch unet")
     if settings.accelerate:
         from ov_backend import build_settings
 
@@ -229,6 +236,7 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
     from .openvino_entry import ENTRY_KEY, format_entry
     from .pipeline import Generator, Interrupted
     from .pnginfo import save_png
+    from .step_cache import StepCacheUnsupported
 
     started = time.perf_counter()
     if checkpoint is None:
@@ -240,11 +248,16 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
         parser.error(str(exc))
     accelerator = Accelerator(components, settings)
     if settings.accelerate:
-        accelerator.apply()
+        try:
+            accelerator.apply()
+        except StepCacheUnsupported as exc:
+            parser.error(f"--step-cache: {exc}")
     parts = "+".join(settings.accelerate) or "none"
     # the WebUI's own entry, so the image pastes back into its panel (no entry: made in PyTorch)
-    entry = format_entry(settings.device, settings.accelerate, settings.precision) if settings.accelerate else None
-    generator = Generator(components, Path(checkpoint).stem, file_hash(checkpoint), {ENTRY_KEY: entry})
+    entry = format_entry(settings.device, settings.accelerate, settings.precision,
+                         step_cache=settings.step_cache.interval) if settings.accelerate else None
+    generator = Generator(components, Path(checkpoint).stem, file_hash(checkpoint), {ENTRY_KEY: entry},
+                          step_cache=accelerator.step_cache)
     load_seconds = time.perf_counter() - started
     _out(f"loaded {checkpoint} ({components.family}) in {load_seconds:.1f}s; OpenVINO on "
          f"{settings.device} for: {parts}")
@@ -310,6 +323,8 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
          f"{times.describe(stats if settings.accelerate else None)} "
          f"(OpenVINO calls {int(stats.get('ov_calls', 0))}, PyTorch calls {int(stats.get('eager_calls', 0))}, "
          f"cache hits {int(stats.get('cache_hits', 0))})")
+    if accelerator.step_cache is not None:
+        _out(accelerator.step_cache.describe())
     eager = accelerator.eager_report()
     if eager:
         _err(f"warning: {eager}")

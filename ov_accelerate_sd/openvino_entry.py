@@ -27,11 +27,27 @@ NO_PARTS = "none"
 NOTE_SEPARATOR = "; "
 #: How many slots the entry has (device, parts, precision).
 SLOTS = 3
+#: The optional slot after them, written when the UNet ran with step caching (its interval).
+STEP_CACHE_SLOT = "step cache {}"
 
 
-def format_entry(device: str, parts: Iterable[str], precision: str, notes: Sequence[str] = ()) -> str:
+def format_entry(device: str, parts: Iterable[str], precision: str, notes: Sequence[str] = (),
+                 step_cache: int = 1) -> str:
     """The entry's value: ``device`` (e.g. "CPU"), the ``parts`` that ran in OpenVINO (names of ``PARTS``, any
-    order), the ``precision``'s name (e.g. "f32"), then each of ``notes``."""
+    order), the ``precision``'s name (e.g. "f32"), the step caching interval when the UNet ran in OpenVINO with
+    it (``step_cache`` > 1, e.g. "step cache 3"), then each of ``notes``."""
     chosen = set(parts)
     names = "+".join(PART_NAMES[part] for part in PARTS if part in chosen) or NO_PARTS
-    return f"{device}, {names}, {precision}" + "".join(NOTE_SEPARATOR + note for note in notes)
+    cached = ", " + STEP_CACHE_SLOT.format(step_cache) if step_cache > 1 and "unet" in chosen else ""
+    return f"{device}, {names}, {precision}{cached}" + "".join(NOTE_SEPARATOR + note for note in notes)
+
+
+def split_step_cache(entry: str) -> tuple[str, int | None]:
+    """(the entry without its step caching slot, the interval written there: 1 when there is none, None when
+    the slot names no whole number > 1)."""
+    head, sep, last = entry.rpartition(", ")
+    prefix = STEP_CACHE_SLOT.format("")
+    if not sep or not last.startswith(prefix):
+        return entry, 1
+    value = last[len(prefix):]
+    return head, int(value) if value.isdigit() and int(value) > 1 else None

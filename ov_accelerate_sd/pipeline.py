@@ -31,6 +31,7 @@ from .noise import ImageNoise, image_seeds
 from .pnginfo import format_infotext
 from .prompts import PromptEncoder
 from .samplers import img2img_strength, initial_latents, make_scheduler, sampler_spec
+from .step_cache import StepCacheRun
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ class Generator:
         model_name: "Model" in the infotext (the checkpoint's file name without extension).
         model_hash: "Model hash" in the infotext.
         extra_params: more infotext entries (the OpenVINO ones), appended in order.
+        step_cache: the routed UNet's step caching state (``Accelerator.step_cache``): told when each
+            sampling begins and ends and which sampler step the UNet's calls belong to.
     """
 
     def __init__(
@@ -148,8 +151,10 @@ class Generator:
         model_name: str = "",
         model_hash: str = "",
         extra_params: dict[str, Any] | None = None,
+        step_cache: StepCacheRun | None = None,
     ) -> None:
         self.components = components
+        self.step_cache = step_cache
         self.model_name = model_name
         self.model_hash = model_hash
         self.extra_params = dict(extra_params or {})
@@ -233,6 +238,9 @@ class Generator:
 
         def step_end(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
             nonlocal stopped
+            if self.step_cache is not None:  # diffusers' loop runs ``order`` UNet calls per sampler step
+                order = int(getattr(pipe.scheduler, "order", 1) or 1)
+                self.step_cache.at_step((step + 1) // order, -(-int(pipe.num_timesteps) // order))
             if on_step is not None:
                 on_step(step + 1, int(getattr(pipe, "num_timesteps", job.steps) or job.steps))
             if should_stop is not None and should_stop():
@@ -265,7 +273,13 @@ class Generator:
             if self.components.family == "sdxl":
                 kwargs.update(original_size=(job.height, job.width), target_size=(job.height, job.width))
         pipe.scheduler = scheduler
-        latents = pipe(**kwargs).images
+        if self.step_cache is not None:
+            self.step_cache.begin(None)
+        try:
+            latents = pipe(**kwargs).images
+        finally:
+            if self.step_cache is not None:
+                self.step_cache.end()
         if stopped:
             raise Interrupted(f"stopped during batch {batch_index + 1} of {job.batch_count}")
         vae = self.components.vae

@@ -16,6 +16,7 @@ from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS
 
 from .backends import BackendChoice
 from .parts import PARTS, in_order
+from .step_cache import StepCacheSettings
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class SDSettings:
     """The parts that run through OpenVINO, in ``PARTS`` order; the others stay in PyTorch."""
     prediction_type: str | None = None
     """Override of the checkpoint's prediction type ("epsilon" or "v_prediction"); None: detect."""
+    step_cache: StepCacheSettings = StepCacheSettings()
+    """Step caching of the UNet (DeepCache; off by default): its interval, depth and full steps."""
 
     def backend_choice(self) -> BackendChoice:
         """The backend these settings choose (see :class:`~.backends.Backends`)."""
@@ -66,6 +69,14 @@ def build_sd_settings(options: Mapping[str, Any] | None = None) -> SDSettings:
         raise ValueError(f"unknown SD setting(s) {unknown}; valid keys: {list(_FIELDS)}")
     if "accelerate" in options:
         options["accelerate"] = in_order(options["accelerate"])
+    step_cache = options.get("step_cache")
+    if isinstance(step_cache, Mapping):
+        options["step_cache"] = StepCacheSettings(**step_cache)
+    elif isinstance(step_cache, int) and not isinstance(step_cache, bool):
+        options["step_cache"] = StepCacheSettings(interval=step_cache)
+    elif step_cache is not None and not isinstance(step_cache, StepCacheSettings):
+        raise ValueError(f"step_cache must be an interval (1: off), a mapping of StepCacheSettings fields or "
+                         f"StepCacheSettings, got {step_cache!r}")
     settings = SDSettings(**options)
     if settings.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {settings.precision!r}")
