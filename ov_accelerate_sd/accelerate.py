@@ -106,8 +106,8 @@ class Accelerator:
                     return_dict: bool = True, **kwargs: Any) -> Any:
             if args:
                 raise TypeError("the step-cached UNet takes its options by keyword, as diffusers' pipelines pass them")
-            out = run.call(split, (sample, timestep, encoder_hidden_states), kwargs,
-                           lambda kind, a, kw: methods[kind](*a, **kw))
+            out = run.call(unet, (sample, timestep, encoder_hidden_states), kwargs,
+                           lambda kind, a, kw: methods[kind](unet, *a, **kw))
             if not return_dict:
                 return (out,)
             from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput

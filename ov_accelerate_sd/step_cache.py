@@ -9,8 +9,9 @@ skip connections are their own, fresh). Owns:
   the full steps kept at the start and the end of sampling, and the schedule that follows from them;
 - :func:`split_unet`: a UNet's forward split in two methods, ``full`` (the output and the feature) and
   ``shallow`` (the output from the feature), for the LDM and SGM ``UNetModel`` (what the WebUI loads) and
-  diffusers' ``UNet2DConditionModel`` (the command line's). Each is a method of a module that holds the
-  UNet, so a backend compiles it with the UNet's live weights (a LoRA written into them is seen);
+  diffusers' ``UNet2DConditionModel`` (the command line's). Each takes the UNet as its first argument, so a
+  backend compiles it with the UNet's live weights (a LoRA written into them is seen), and the split keeps
+  no reference to the UNet (a model the WebUI replaces is freed as before);
 - :class:`StepCacheRun`: one generation's state: the sampler step, the features kept at the last full
   step, and which calls ran full or shallow and why.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +84,8 @@ class StepCacheSettings:
 
 
 class UNetSplit(torch.nn.Module):
-    """A UNet's forward in two methods (see the module docstring); holds the UNet as a child module.
+    """A UNet's forward in two methods (see the module docstring), for UNets of one layout: made from one, it
+    runs any UNet of the same architecture passed to its methods.
 
     Subclasses give the UNet's own embedding, its flat lists of input and output layers (each maps
     ``(h, emb, context)`` to ``h``; output layer ``j`` takes the skip of input layer ``n - 1 - j``), the
@@ -90,33 +93,34 @@ class UNetSplit(torch.nn.Module):
 
     def __init__(self, unet: torch.nn.Module, depth: int) -> None:
         super().__init__()
-        self.unet = unet
         self.depth = depth
+        self.kind = type(unet).__name__
 
     def check_depth(self, inputs: int, outputs: int) -> None:
         if inputs != outputs:
-            raise StepCacheUnsupported(f"{type(self.unet).__name__} has {inputs} input and {outputs} output blocks: "
+            raise StepCacheUnsupported(f"{self.kind} has {inputs} input and {outputs} output blocks: "
                                        "step caching needs one skip connection per output block")
         if not 1 <= self.depth < inputs:
-            raise StepCacheUnsupported(f"step caching depth {self.depth} does not fit {type(self.unet).__name__}: "
+            raise StepCacheUnsupported(f"step caching depth {self.depth} does not fit {self.kind}: "
                                        f"its input blocks are 1 to {inputs - 1} deep")
 
     # the UNet kind's own parts
-    def begin(self, x: torch.Tensor, timesteps: Any, context: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+    def begin(self, unet: Any, x: torch.Tensor, timesteps: Any, context: Any,
+              kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
         """(h, emb, context) before the first input layer."""
         raise NotImplementedError
 
-    def input_layer(self, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
+    def input_layer(self, unet: Any, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
         raise NotImplementedError
 
-    def middle(self, h: Any, emb: Any, context: Any) -> Any:
+    def middle(self, unet: Any, h: Any, emb: Any, context: Any) -> Any:
         raise NotImplementedError
 
-    def output_layer(self, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
+    def output_layer(self, unet: Any, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
         """Output layer ``index``: pops its skip from ``skips``."""
         raise NotImplementedError
 
-    def end(self, h: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    def end(self, unet: Any, h: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
 
     @property
@@ -124,34 +128,35 @@ class UNetSplit(torch.nn.Module):
         raise NotImplementedError
 
     # the two methods a backend compiles
-    def full(self, x: torch.Tensor, timesteps: Any = None, context: Any = None, **kwargs: Any) -> tuple[Any, Any]:
-        """The UNet's output, and the feature a shallow step starts from."""
-        h, emb, context = self.begin(x, timesteps, context, kwargs)
+    def full(self, unet: Any, x: torch.Tensor, timesteps: Any = None, context: Any = None,
+             **kwargs: Any) -> tuple[Any, Any]:
+        """``unet``'s output for its arguments, and the feature a shallow step starts from."""
+        h, emb, context = self.begin(unet, x, timesteps, context, kwargs)
         skips: list[Any] = []
         for index in range(self.layers):
-            h = self.input_layer(index, h, emb, context, skips)
+            h = self.input_layer(unet, index, h, emb, context, skips)
             skips.append(h)
-        h = self.middle(h, emb, context)
+        h = self.middle(unet, h, emb, context)
         cut = self.layers - self.depth
         feature = h
         for index in range(self.layers):
             if index == cut:
                 feature = h
-            h = self.output_layer(index, h, emb, context, skips)
-        return self.end(h, x, kwargs), feature
+            h = self.output_layer(unet, index, h, emb, context, skips)
+        return self.end(unet, h, x, kwargs), feature
 
-    def shallow(self, x: torch.Tensor, timesteps: Any = None, context: Any = None, *, feature: torch.Tensor,
-                **kwargs: Any) -> Any:
-        """The UNet's output from ``feature`` (kept by :meth:`full` for the same size, prompt and weights)."""
-        h, emb, context = self.begin(x, timesteps, context, kwargs)
+    def shallow(self, unet: Any, x: torch.Tensor, timesteps: Any = None, context: Any = None, *,
+                feature: torch.Tensor, **kwargs: Any) -> Any:
+        """``unet``'s output from ``feature`` (kept by :meth:`full` for the same size, prompt and weights)."""
+        h, emb, context = self.begin(unet, x, timesteps, context, kwargs)
         skips: list[Any] = []
         for index in range(self.depth):
-            h = self.input_layer(index, h, emb, context, skips)
+            h = self.input_layer(unet, index, h, emb, context, skips)
             skips.append(h)
         h = feature
         for index in range(self.layers - self.depth, self.layers):
-            h = self.output_layer(index, h, emb, context, skips)
-        return self.end(h, x, kwargs)
+            h = self.output_layer(unet, index, h, emb, context, skips)
+        return self.end(unet, h, x, kwargs)
 
 
 class LdmSplit(UNetSplit):
@@ -170,13 +175,14 @@ class LdmSplit(UNetSplit):
             raise StepCacheUnsupported("a UNet that predicts codebook ids is not a Stable Diffusion UNet")
         self.check_depth(len(unet.input_blocks), len(unet.output_blocks))
         self.source_module = sys.modules[type(unet).__module__]
+        self._layers = len(unet.input_blocks)
 
     @property
     def layers(self) -> int:
-        return len(self.unet.input_blocks)
+        return self._layers
 
-    def begin(self, x: torch.Tensor, timesteps: Any, context: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
-        unet = self.unet
+    def begin(self, unet: Any, x: torch.Tensor, timesteps: Any, context: Any,
+              kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
         emb = unet.time_embed(self.source_module.timestep_embedding(timesteps, unet.model_channels,
                                                                     repeat_only=False))
         if getattr(unet, "num_classes", None) is not None:
@@ -185,18 +191,18 @@ class LdmSplit(UNetSplit):
         h = x.type(dtype) if isinstance(dtype, torch.dtype) else x
         return h, emb, context
 
-    def input_layer(self, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
-        return self.unet.input_blocks[index](h, emb, context)
+    def input_layer(self, unet: Any, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
+        return unet.input_blocks[index](h, emb, context)
 
-    def middle(self, h: Any, emb: Any, context: Any) -> Any:
-        return self.unet.middle_block(h, emb, context)
+    def middle(self, unet: Any, h: Any, emb: Any, context: Any) -> Any:
+        return unet.middle_block(h, emb, context)
 
-    def output_layer(self, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
+    def output_layer(self, unet: Any, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
         h = self.source_module.th.cat([h, skips.pop()], dim=1)
-        return self.unet.output_blocks[index](h, emb, context)
+        return unet.output_blocks[index](h, emb, context)
 
-    def end(self, h: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-        return self.unet.out(h.type(x.dtype))
+    def end(self, unet: Any, h: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        return unet.out(h.type(x.dtype))
 
 
 class DiffusersSplit(UNetSplit):
@@ -234,8 +240,8 @@ class DiffusersSplit(UNetSplit):
     def layers(self) -> int:
         return len(self._inputs)
 
-    def begin(self, x: torch.Tensor, timesteps: Any, context: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
-        unet = self.unet
+    def begin(self, unet: Any, x: torch.Tensor, timesteps: Any, context: Any,
+              kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
         unknown = {k for k, v in kwargs.items() if v is not None} - {"added_cond_kwargs", "timestep_cond",
                                                                         "return_dict", "cross_attention_kwargs"}
         if unknown or kwargs.get("cross_attention_kwargs"):
@@ -249,11 +255,11 @@ class DiffusersSplit(UNetSplit):
             emb = unet.time_embed_act(emb)
         return x, emb, context
 
-    def input_layer(self, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
+    def input_layer(self, unet: Any, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
         b, i = self._inputs[index]
         if b < 0:
-            return self.unet.conv_in(h)
-        block = self.unet.down_blocks[b]
+            return unet.conv_in(h)
+        block = unet.down_blocks[b]
         if i < 0:
             for down in block.downsamplers:
                 h = down(h)
@@ -263,15 +269,15 @@ class DiffusersSplit(UNetSplit):
             h = block.attentions[i](h, encoder_hidden_states=context, return_dict=False)[0]
         return h
 
-    def middle(self, h: Any, emb: Any, context: Any) -> Any:
-        block = self.unet.mid_block
+    def middle(self, unet: Any, h: Any, emb: Any, context: Any) -> Any:
+        block = unet.mid_block
         if getattr(block, "has_cross_attention", False):
             return block(h, emb, encoder_hidden_states=context)
         return block(h, emb)
 
-    def output_layer(self, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
+    def output_layer(self, unet: Any, index: int, h: Any, emb: Any, context: Any, skips: list[Any]) -> Any:
         b, i = self._outputs[index]
-        block = self.unet.up_blocks[b]
+        block = unet.up_blocks[b]
         h = torch.cat([h, skips.pop()], dim=1)
         h = block.resnets[i](h, emb)
         if getattr(block, "attentions", None):
@@ -280,14 +286,13 @@ class DiffusersSplit(UNetSplit):
             # as diffusers does: the next skip's size, only when a latent size is not a multiple of the
             # UNet's overall upscale (else the upsamplers double)
             # (skips[0], conv_in's output, has the latent's size)
-            factor = 2 ** self.unet.num_upsamplers
+            factor = 2 ** unet.num_upsamplers
             size = skips[-1].shape[2:] if any(d % factor for d in skips[0].shape[2:]) else None
             for up in block.upsamplers:
                 h = up(h, size)
         return h
 
-    def end(self, h: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-        unet = self.unet
+    def end(self, unet: Any, h: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         if unet.conv_norm_out is not None:
             h = unet.conv_act(unet.conv_norm_out(h))
         return unet.conv_out(h)
@@ -355,6 +360,13 @@ class StepCacheRun:
     shallow_calls: int = 0
     forced_full: dict[str, int] = field(default_factory=dict)
     """Why calls on shallow steps ran the full UNet, and how many."""
+    seconds: dict[str, float] = field(default_factory=lambda: {"full": 0.0, "shallow": 0.0})
+    """Time spent in full and in shallow calls."""
+    audit: bool = False
+    """Measure each shallow call against the full UNet on the same inputs (a full call more per shallow call,
+    not timed; the shallow output is returned): :attr:`errors`. For the benchmark."""
+    errors: list[tuple[int, float]] = field(default_factory=list)
+    """(sampler step, relative L2 error of the shallow output against the full UNet's) of each audited call."""
     _kept: list[_Kept] = field(default_factory=list)
 
     def begin(self, steps: int | None) -> None:
@@ -374,26 +386,43 @@ class StepCacheRun:
         self.step = None
         self._kept.clear()
 
-    def call(self, split: UNetSplit, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def call(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              run: Callable[[str, tuple[Any, ...], dict[str, Any]], Any]) -> Any:
-        """One UNet call of ``split.unet``, with the UNet's arguments: ``run(kind, args, kwargs)`` runs
-        ``split``'s method ``kind`` ("full" or "shallow", compiled by the caller) and returns its result."""
+        """One call of the UNet ``module``, with its arguments: ``run(kind, args, kwargs)`` runs the split's
+        method ``kind`` ("full" or "shallow", compiled by the caller) on ``module`` and returns its result."""
         x, context, extra = _unet_inputs(args, kwargs)
-        module = split.unet
         weights = weights_version(module)
         shallow_step = self.step is not None and not self.settings.full_step(self.step, self.steps)
         if shallow_step:
             kept = self._find(module, weights, tuple(x.shape), context, extra)
             if kept is not None:
                 self.shallow_calls += 1
-                return run("shallow", args, {**kwargs, "feature": kept.feature})
+                output = self._timed("shallow", run, args, {**kwargs, "feature": kept.feature})
+                if self.audit:
+                    start = time.perf_counter()
+                    self._audit(output, run("full", args, kwargs)[0])
+                    self.seconds["audit"] = self.seconds.get("audit", 0.0) + time.perf_counter() - start
+                return output
             why = self._why_full(module, weights, tuple(x.shape))
             self.forced_full[why] = self.forced_full.get(why, 0) + 1
-        output, feature = run("full", args, kwargs)
+        output, feature = self._timed("full", run, args, kwargs)
         self.full_calls += 1
         if self.step is not None:
             self._keep(_Kept(module, weights, tuple(x.shape), context, extra, feature))
         return output
+
+    def _timed(self, kind: str, run: Callable[[str, tuple[Any, ...], dict[str, Any]], Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            return run(kind, args, kwargs)
+        finally:
+            self.seconds[kind] += time.perf_counter() - start
+
+    def _audit(self, shallow: Any, full: Any) -> None:
+        a, b = _first(shallow).double(), _first(full).double()
+        self.errors.append((self.step if self.step is not None else -1,
+                            float((a - b).norm() / b.norm().clamp_min(1e-30))))
 
     def describe(self) -> str:
         """One line: the settings, and how many UNet calls ran full and shallow (and why shallow steps ran full)."""
@@ -425,6 +454,10 @@ class StepCacheRun:
                                                        and _same(k.context, kept.context)
                                                        and _same(k.extra, kept.extra))]
         self._kept.append(kept)
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
 
 
 def _unet_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, Any]:

@@ -29,6 +29,7 @@ import torch
 
 from ov_accelerate_sd.backends import BackendChoice, Backends, Mark
 from ov_accelerate_sd.parts import VARYING_DIMS
+from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheSettings
 
 from .backend_bridge import BackendApi
 from .compiled_route import CompiledRoute, compile_route, f32_route, make_forward
@@ -69,6 +70,8 @@ class PreparedRun:
     """Whether each entry ran at f32 before the run."""
     released_other: int = 0
     """Compiled models of builds for other options released as the run began."""
+    step_cache: StepCacheRun | None = None
+    """The UNet's step caching in this run (None: off); the caller tells it where sampling is."""
 
 
 #: How a run's compiled models are kept (see :meth:`Accelerator.prepare`).
@@ -93,9 +96,11 @@ class Accelerator:
         self._lora = LoraHook(self._lock)
         self.on_pytorch: Callable[[CompiledRoute, str], None] | None = None
         """Told (route, why) when a routed call runs in PyTorch (set by the generation running)."""
+        self.on_uncached: Callable[[CompiledRoute, str], None] | None = None
+        """Told (route, why) when step caching cannot split a route's module (set by the generation running)."""
 
     def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str, window: str = WINDOW_NEW,
-                previous_weights: str | None = None) -> PreparedRun:
+                previous_weights: str | None = None, step_cache: StepCacheSettings | None = None) -> PreparedRun:
         """Find the parts of ``model`` to accelerate and get (or make) their compiled forwards.
 
         ``window``: :data:`WINDOW_NEW` (a generation of its own: compiled models it does not call are
@@ -103,6 +108,7 @@ class Accelerator:
         of the previous run's window: pre-compiling several sizes, so that all of them stay compiled) or
         :data:`WINDOW_OFF` (release nothing: the user keeps every size in memory). ``previous_weights``: the
         backend's ``previous_weights`` for a new window ("auto", "keep", "release"; None: the backend's own).
+        ``step_cache``: how step caching runs (its depth and full steps; the interval is ``settings.step_cache``).
 
         Raises:
             UnsupportedModel: the model cannot be accelerated.
@@ -123,7 +129,10 @@ class Accelerator:
                 self.backends.start_window(previous_weights)
             elif window == WINDOW_OFF:
                 self.backends.stop_windows()
-            return self._prepared(model, targets, choice, settings, f32_choice)
+            shape = step_cache or StepCacheSettings()
+            cache = StepCacheRun(dataclasses.replace(shape, interval=settings.step_cache)) \
+                if settings.step_cache > 1 and settings.unet else None
+            return self._prepared(model, targets, choice, settings, f32_choice, step_cache=cache)
 
     def calibrate(self, run: PreparedRun) -> int:
         """At INT8: quantize the UNet on the calls ``run`` recorded at float (the end of a generation);
@@ -148,15 +157,18 @@ class Accelerator:
         targets = find_targets(model, run.settings.parts)
         with self._lock:
             self._checkpoints.add(checkpoint_key(model))
-            return self._prepared(model, targets, run.choice, run.settings, run.f32_choice, run.mark)
+            return self._prepared(model, targets, run.choice, run.settings, run.f32_choice, run.mark, run.step_cache)
 
     def _prepared(self, model: Any, targets: list[Target], choice: BackendChoice, settings: AccelerateSettings,
-                  f32_choice: BackendChoice | None, mark: Mark | None = None) -> PreparedRun:
+                  f32_choice: BackendChoice | None, mark: Mark | None = None,
+                  step_cache: StepCacheRun | None = None) -> PreparedRun:
         keys = {t.label: choice.for_part(t.part) for t in targets}
         released = self._release_other_builds(keys)  # (counted apart: the builds may be another backend's)
         entries = [self._entry(keys[t.label], t) for t in targets]
         routes = tuple(
-            Route(t.module, self._make_forward(e, f32_choice), t.label, t.method) for t, e in zip(targets, entries)
+            Route(t.module, self._make_forward(e, f32_choice, step_cache if t.part == "unet" else None), t.label,
+                  t.method)
+            for t, e in zip(targets, entries)
         )
         return PreparedRun(
             routes=routes,
@@ -171,6 +183,7 @@ class Accelerator:
             pytorch_before=tuple(e.pytorch_calls for e in entries),
             f32_choice=f32_choice,
             f32_before=tuple(e.f32 is not None for e in entries),
+            step_cache=step_cache,
         )
 
     def _release_other_builds(self, keys: Mapping[str, BackendChoice]) -> int:
@@ -211,10 +224,13 @@ class Accelerator:
                 if not entries:
                     del self._compiled[label_key]
 
-    def _make_forward(self, entry: CompiledRoute, f32_choice: BackendChoice | None) -> Callable[..., Any]:
+    def _make_forward(self, entry: CompiledRoute, f32_choice: BackendChoice | None,
+                      step_cache: StepCacheRun | None) -> Callable[..., Any]:
         f32_build = None if f32_choice is None else (lambda: f32_route(entry, self.backends.counter(f32_choice)))
         forward = make_forward(entry, self._lock, self._notify, f32_build, PYTORCH_CHECKS.get(entry.part),
-                               lambda route, why: self.on_pytorch(route, why) if self.on_pytorch else None)
+                               lambda route, why: self.on_pytorch(route, why) if self.on_pytorch else None,
+                               step_cache,
+                               lambda route, why: self.on_uncached(route, why) if self.on_uncached else None)
         return mark_ours(self._lora.wrap(forward, entry))
 
     def lora_changes(self) -> list[LoraChange]:

@@ -24,11 +24,12 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 from ov_accelerate_sd.openvino_entry import PART_NAMES
+from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheUnsupported, UNetSplit, split_unet
 
 from .backend_bridge import ov_backend
 from .finite_guard import F32Switch, all_finite
@@ -40,6 +41,19 @@ logger = logging.getLogger(__name__)
 
 #: How long dynamo's giving up on a routed function lasts, as a WebUI user sees it.
 EAGER_UNTIL = "until another checkpoint is loaded or the WebUI restarts"
+
+
+@dataclass
+class SplitBuild:
+    """The UNet's step caching methods (``ov_accelerate_sd.step_cache``) at one depth, compiled through the
+    route's backend."""
+
+    split: UNetSplit
+    full: CompiledMethod
+    shallow: CompiledMethod
+
+    def release(self) -> int:
+        return self.full.release() + self.shallow.release()
 
 
 @dataclass
@@ -65,6 +79,10 @@ class CompiledRoute:
     """Calls run on the module's own method because something changed its work in a way OpenVINO does not
     take (see :func:`make_forward`'s ``bypass``)."""
     pytorch_reason: str = ""
+    splits: dict[int, SplitBuild] = field(default_factory=dict)
+    """Depth -> the step caching methods of the route's UNet (made on the first call with step caching)."""
+    step_cache_off: str = ""
+    """Why step caching cannot split this route's module (it then runs every call full)."""
 
     @property
     def source(self) -> Callable[..., Any]:
@@ -74,8 +92,25 @@ class CompiledRoute:
     def release(self) -> int:
         """Release the compiled models of this route and of its f32 build (their converted models stay:
         using the route again costs a compile); returns how many were released."""
-        own = self.compiled.release()
+        own = self.compiled.release() + sum(build.release() for build in self.splits.values())
         return own + (self.f32.release() if self.f32 is not None else 0)
+
+    def split_at(self, module: Any, depth: int) -> SplitBuild | None:
+        """The step caching methods at ``depth`` (made now if needed), or None when the module cannot be split
+        (:attr:`step_cache_off` says why). Call under the accelerator's lock."""
+        build = self.splits.get(depth)
+        if build is None and not self.step_cache_off:
+            try:
+                split = split_unet(module, depth)
+            except StepCacheUnsupported as exc:
+                self.step_cache_off = str(exc)
+                logger.warning("Accelerate with OpenVINO: no step caching for %s: %s", self.label, exc)
+                return None
+            like = self.compiled
+            build = self.splits[depth] = SplitBuild(split, *(
+                ov_backend.CompiledMethod(getattr(split, kind), like.counter, like.varying, kind)
+                for kind in ("full", "shallow")))
+        return build
 
 
 def compile_route(
@@ -109,6 +144,8 @@ def make_forward(
     f32_build: Callable[[], CompiledRoute] | None,
     bypass: Callable[[Any], str] | None = None,
     on_bypass: Callable[[CompiledRoute, str], None] | None = None,
+    step_cache: StepCacheRun | None = None,
+    on_uncached: Callable[[CompiledRoute, str], None] | None = None,
 ) -> Callable[..., Any]:
     """The method that replaces ``entry``'s module method while routed.
 
@@ -122,24 +159,29 @@ def make_forward(
             own method in PyTorch, counted in ``entry.pytorch_calls`` (e.g. the WebUI's Token merging, which
             rewrites the UNet's blocks into ops OpenVINO cannot take).
         on_bypass: told (entry, why) of each such call.
+        step_cache: the run's step caching (the UNet's route only): each call runs the route's split methods,
+            full or shallow as it decides; a route that runs at f32 after an overflow runs uncached.
+        on_uncached: told (entry, why) when step caching cannot split the route's module (it runs uncached).
     """
     label = PART_NAMES[entry.part]
 
     def run(build: CompiledRoute, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return run_method(build.compiled, args, kwargs, ", f32" if build is not entry else "")
+
+    def run_method(compiled: CompiledMethod, args: tuple[Any, ...], kwargs: dict[str, Any], at: str) -> Any:
         signature = ov_backend.input_signature(args, kwargs)
         with lock:
-            new = signature not in build.compiled.seen
+            new = signature not in compiled.seen
         if new:
             shapes = "x".join(str(d) for d in signature[0][0]) if signature else "?"
-            at = ", f32" if build is not entry else ""
             notify(f"OpenVINO: compiling {label} ({entry.label}{at}) for input {shapes} ...")
 
         try:
-            result, eager = build.compiled.call(args, kwargs, signature)
+            result, eager = compiled.call(args, kwargs, signature)
         finally:
             if new:
                 notify(None)
-        reason = build.compiled.why_eager(EAGER_UNTIL) if eager else ""
+        reason = compiled.why_eager(EAGER_UNTIL) if eager else ""
         with lock:
             if eager:
                 entry.eager_calls += 1
@@ -185,7 +227,15 @@ def make_forward(
         with lock:
             entry.calls += 1
             build = entry.f32 or entry
-        result = run(build, args, kwargs)
+            module = entry.module_ref() if step_cache is not None and build is entry else None
+            split = entry.split_at(module, step_cache.settings.depth) if module is not None else None
+        if module is not None and split is None and on_uncached is not None:
+            on_uncached(entry, entry.step_cache_off)
+        if split is not None:
+            result = step_cache.call(module, args, kwargs, lambda kind, a, kw: run_method(
+                getattr(split, kind), (module, *a), kw, f", {kind}"))
+        else:
+            result = run(build, args, kwargs)
         if f32_build is None or build is not entry or all_finite(result):
             return result
         if not all_finite(args, kwargs):  # NaN/inf came in (from another part): not this part's precision

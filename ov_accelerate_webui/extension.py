@@ -16,8 +16,17 @@ from typing import Any
 from . import cache_owners, host
 from .accelerator import WINDOW_CONTINUE, WINDOW_NEW, WINDOW_OFF, Accelerator
 from .backend_bridge import BackendApi, BackendUnavailable, load_backend, ov_backend
-from .generation import Generation, Job, NotAccelerated, RunRecord, append_comment, comment_on, run_report
-from .infotext import WRITTEN_KEYS, generation_params
+from .generation import (
+    Generation,
+    InfotextEntry,
+    Job,
+    NotAccelerated,
+    RunRecord,
+    append_comment,
+    comment_on,
+    run_report,
+)
+from .infotext import WRITTEN_KEYS
 from .model_parts import UnsupportedModel, checkpoint_key, checkpoint_label
 from .options import read_options
 from .precompile import ReadySizes, Size, parse_sizes
@@ -120,22 +129,14 @@ class Extension:
             if options.keep_all_sizes:
                 window = WINDOW_OFF
             prepared = accelerator.prepare(model, settings, host.default_cache_dir(), window,
-                                           options.previous_weights)
+                                           options.previous_weights, options.step_cache)
         except (BackendUnavailable, UnsupportedModel) as exc:
             raise NotAccelerated(f"Accelerate with OpenVINO: {exc}", logging.WARNING) from exc
         except ValueError as exc:  # settings the backend rejects, e.g. INT8 without NNCF: the image is still made
             raise NotAccelerated(f"Accelerate with OpenVINO: not used for this image: {exc}", logging.WARNING) from exc
-        notes: list[str] = []
         if section:  # X/Y/Z plot's cells share one dict: this cell's entries must not reach the next one's
             p.extra_generation_params = dict(p.extra_generation_params)
-        p.extra_generation_params.update(generation_params(settings, section=section))
-
-        def unsupported(name: str, reason: str) -> None:
-            notes.append(f"{name} in PyTorch")
-            p.extra_generation_params.update(generation_params(settings, notes, section=section))
-            comment_on(p, f"Accelerate with OpenVINO: {name} ran in plain PyTorch: {reason}")
-
-        generation = Generation(accelerator, prepared, model, settings, unsupported)
+        generation = Generation(accelerator, prepared, model, settings, InfotextEntry(p, settings, section).unsupported)
         generation.owner, generation.section = id(p), section
         cache_folder = settings.backend_choice(host.default_cache_dir()).cache_dir if settings.model_caching else ""
         generation.cache_folder, generation.cached_before = cache_folder, self._cache_keys(cache_folder)
@@ -374,16 +375,10 @@ class Extension:
             generation.session.follow(model)
 
     def on_cfg_denoiser(self, params: Any) -> None:
-        """Before each UNet step: route the loaded model if A1111 switched to it without a
-        ``model_loaded`` callback (a model kept in memory, ``sd_checkpoints_limit`` > 1)."""
+        """Before each UNet evaluation of a generation: see :meth:`Generation.before_unet`."""
         generation = self._generation
-        if generation is None or not generation.active:
-            return
-        if generation.attention is not None:
-            generation.attention.ensure()  # a model load inside the generation applied the WebUI's attention again
-        loaded = host.loaded_model()
-        generation.session.follow(loaded)
-        generation.session.observe(loaded)
+        if generation is not None and generation.active:
+            generation.before_unet(host.loaded_model(), params)
 
     def unload(self) -> None:
         """Release everything (script reload or WebUI shutdown)."""

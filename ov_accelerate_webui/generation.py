@@ -15,6 +15,7 @@ whole, with each generation's line in ``runs``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,12 +27,19 @@ from .accelerator import Accelerator, PreparedRun
 from .attention import FusedAttention
 from .backend_bridge import ov_backend
 from .finite_guard import F32Switch
+from .infotext import generation_params
 from .lora import LoraChange, changes_line
 from .session import RoutingSession
 from .settings import AccelerateSettings
 from .status import run_status
+from .step_caching import merged_facts, sampler_step, step_cache_facts, step_cache_line
 
 logger = logging.getLogger(__name__)
+
+
+#: What ``Generation``'s ``on_unsupported`` is told, instead of a part's name, when the UNet cannot be step cached
+#: (it runs every step full).
+STEP_CACHING = "step caching"
 
 
 def comment_on(p: Any, message: str) -> None:
@@ -45,6 +53,27 @@ def append_comment(processed: Any, text: str) -> None:
     """Add ``text`` to the comments shown under ``processed``'s images."""
     if processed is not None:
         processed.comments = ((getattr(processed, "comments", "") or "") + "\n" + text).strip()
+
+
+class InfotextEntry:
+    """The extension's entries in ``p``'s infotext for one generation: written as it starts, and again with a note
+    when something of it did not run as chosen (:meth:`unsupported`), so the image records what really ran."""
+
+    def __init__(self, p: Any, settings: AccelerateSettings, section: bool) -> None:
+        self.p, self.settings, self.section = p, settings, section
+        self.notes: list[str] = []
+        p.extra_generation_params.update(generation_params(settings, section=section))
+
+    def unsupported(self, name: str, reason: str) -> None:
+        """``name`` (a part's short name, or :data:`STEP_CACHING`) did not run as chosen, because of ``reason``."""
+        if name == STEP_CACHING:  # every UNet step ran full: the image was not made with step caching
+            self.settings = dataclasses.replace(self.settings, step_cache=1)
+            self.notes.append("no step caching")
+            comment_on(self.p, f"Accelerate with OpenVINO: no step caching: {reason}")
+        else:
+            self.notes.append(f"{name} in PyTorch")
+            comment_on(self.p, f"Accelerate with OpenVINO: {name} ran in plain PyTorch: {reason}")
+        self.p.extra_generation_params.update(generation_params(self.settings, self.notes, section=self.section))
 
 
 class NotAccelerated(Exception):
@@ -72,6 +101,8 @@ class RunRecord:
     """Route label -> (calls run in PyTorch on the module's own method, why): work OpenVINO does not take."""
     notes: list[str] = field(default_factory=list)
     """Why a routed part was not called (e.g. the WebUI decoded with TAESD), one sentence each."""
+    step_cache: dict[str, Any] = field(default_factory=dict)
+    """The UNet's step caching in this run (empty: off): settings, full and shallow calls, why calls ran full."""
     status: str = ""
 
     def text(self) -> str:
@@ -81,6 +112,8 @@ class RunRecord:
                             attention=None if unet_in_pytorch else self.attention)
         if self.lora_changes:
             status += "\n" + changes_line(self.lora_changes, self.reports)
+        if self.step_cache:
+            status += "\n" + step_cache_line(self.step_cache)
         return "\n".join([status, *self.notes])
 
     def summary(self) -> dict[str, Any]:
@@ -121,6 +154,23 @@ class Generation:
     def active(self) -> bool:
         return self._stack is not None
 
+    def before_unet(self, loaded: Any, params: Any) -> None:
+        """Before each UNet evaluation (A1111's ``cfg_denoiser`` callback, with its ``params``): route the
+        ``loaded`` model if A1111 switched to it without a ``model_loaded`` callback (a model kept in memory,
+        ``sd_checkpoints_limit`` > 1), and tell the run's step caching, if on, where sampling is
+        (:func:`.step_caching.sampler_step`)."""
+        if self.attention is not None:
+            self.attention.ensure()  # a model load inside the generation applied the WebUI's attention again
+        self.session.follow(loaded)
+        self.session.observe(loaded)
+        if self.prepared.step_cache is not None:
+            sampler_step(self.prepared.step_cache, params)
+
+    def _ran_uncached(self, route: Any, why: str) -> None:
+        if STEP_CACHING not in self._said:  # once: the infotext's note, the comment under the images
+            self._said.add(STEP_CACHING)
+            self._on_unsupported(STEP_CACHING, why)
+
     def _ran_in_pytorch(self, route: Any, why: str) -> None:
         if route.part not in self._said:  # once per part: the infotext's note, the comment under the images
             self._said.add(route.part)
@@ -129,6 +179,7 @@ class Generation:
     def start(self) -> None:
         self.accelerator.lora_changes()  # from earlier runs: not this run's
         self.accelerator.on_pytorch = self._ran_in_pytorch
+        self.accelerator.on_uncached = self._ran_uncached
         stack = contextlib.ExitStack()
         try:
             if self.attention is not None:
@@ -142,6 +193,8 @@ class Generation:
     def _restore(self, exc: BaseException | None = None) -> None:
         if self.accelerator.on_pytorch == self._ran_in_pytorch:
             self.accelerator.on_pytorch = None
+        if self.accelerator.on_uncached == self._ran_uncached:
+            self.accelerator.on_uncached = None
         stack, self._stack = self._stack, None
         if stack is not None:
             if exc is None:
@@ -177,6 +230,7 @@ class Generation:
             attention=self.attention.replaced if self.attention else None,
             lora_changes=self.accelerator.lora_changes(),
             pytorch=session.pytorch(),
+            step_cache=step_cache_facts(prepared.step_cache, session),
         )
         record.notes = _uncalled_vae(record.calls, vae_methods)
         record.status = record.text()
@@ -204,6 +258,7 @@ def run_report(record: RunRecord) -> dict[str, Any]:
         "switches": list(record.switches),
         "lora_changes": {change.label: change.networks for change in record.lora_changes},
         "lora_write_seconds": sum(change.write_seconds for change in record.lora_changes),
+        "step_cache": dict(record.step_cache),
         "generations": 1,
         "plain_generations": 0,
         "runs": [record.summary()],
@@ -274,7 +329,11 @@ def merge(records: Sequence[RunRecord]) -> RunRecord:
         lora_changes=[change for record in records for change in record.lora_changes],
         pytorch=pytorch,
         notes=list(dict.fromkeys(note for record in records for note in record.notes)),
+        step_cache=merged_facts([r.step_cache for r in records if r.step_cache]),
     )
+
+
+
 
 
 def _job_header(records: Sequence[RunRecord], plain: Sequence[str]) -> str:

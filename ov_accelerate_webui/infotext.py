@@ -80,7 +80,8 @@ def paste_field_names() -> list[str]:
 
 
 def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, str]],
-                  precision_labels: Mapping[str, str], section_default: bool = False) -> list[str]:
+                  precision_labels: Mapping[str, str], step_cache_labels: Mapping[int, str],
+                  section_default: bool = False) -> list[str]:
     """Split a pasted "OpenVINO" entry into :data:`PASTE_KEYS` entries of ``params`` (in place).
 
     A value that cannot be used is left out, so A1111 leaves that control as it is: a slot that cannot
@@ -93,6 +94,7 @@ def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, st
         params: A1111's parsed infotext (the ``on_infotext_pasted`` callback's second argument).
         device_choices: the panel's (label, device name) pairs; the device is pasted as its label.
         precision_labels: precision name -> the panel's label of it; the precision is pasted as its label.
+        step_cache_labels: step caching interval -> the panel's label of it (pasted as its label).
 
     Returns:
         What could not be pasted, one sentence each (also logged as one WARNING).
@@ -114,6 +116,8 @@ def expand_pasted(params: dict[str, Any], device_choices: Sequence[tuple[str, st
             values["device"] = label
     if "precision" in values:
         values["precision"] = precision_labels[values["precision"]]
+    if "step_cache" in values:
+        values["step_cache"] = step_cache_labels[values["step_cache"]]
     for field, value in values.items():
         params[PASTE_KEYS[field]] = value
     if not by_section:

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ov_accelerate_sd.step_cache import INTERVALS, StepCacheSettings
+
 from . import host
 from .settings import DEFAULTS, FIELDS, AccelerateSettings, build_settings
 
@@ -26,6 +28,9 @@ PRECISION_LABELS: dict[str, str] = {
     "f32": "Full precision (f32)",
     "int8": "INT8 UNet (calibrated on your first generation; needs NNCF)",
 }
+#: Step caching interval -> how the panel and the Settings tab show it (read back by :func:`panel_values`).
+STEP_CACHE_LABELS: dict[int, str] = {1: "Off", **{n: f"Every {n} steps" for n in INTERVALS[1:]}}
+
 OPTION_PREFIX = "openvino_"
 
 
@@ -52,6 +57,17 @@ PREVIOUS_WEIGHTS_LABEL = (
 #: Settings-tab option: the always-on section's Enable is on by default (new page loads, API requests that do
 #: not send the section's arguments).
 ENABLE_ALWAYS_OPTION = OPTION_PREFIX + "enable_always"
+#: Settings-tab options: how step caching runs (its interval is the panel's).
+STEP_CACHE_DEPTH_OPTION = OPTION_PREFIX + "step_cache_depth"
+STEP_CACHE_DEPTH_LABEL = (
+    "Step caching depth: the UNet's input blocks (and as many of its last output blocks) a cached step runs; the "
+    "deeper, the closer to the full UNet and the slower (SD 1.x/2.x have 12 input blocks, SDXL 9)"
+)
+STEP_CACHE_START_OPTION = OPTION_PREFIX + "step_cache_full_start"
+STEP_CACHE_START_LABEL = "Step caching: sampling steps at the start that always run the full UNet"
+STEP_CACHE_END_OPTION = OPTION_PREFIX + "step_cache_full_end"
+STEP_CACHE_END_LABEL = "Step caching: sampling steps at the end that always run the full UNet"
+
 ENABLE_ALWAYS_LABEL = (
     "Enable for every generation: the OpenVINO section of txt2img and img2img starts enabled (on a new page "
     "load; API requests that do not send the section's arguments after a restart of the WebUI)"
@@ -70,7 +86,14 @@ def panel_values(values: Mapping[str, Any]) -> dict[str, Any]:
     values = dict(values)
     if "precision" in values:
         values["precision"] = precision_name(values["precision"])
+    if "step_cache" in values:
+        values["step_cache"] = step_cache_interval(values["step_cache"])
     return values
+
+
+def step_cache_interval(value: object) -> object:
+    """The step caching interval of a panel label ("Every 3 steps" -> 3); any other value as it is."""
+    return next((n for n, label in STEP_CACHE_LABELS.items() if label == value), value)
 
 
 def option_key(name: str) -> str:
@@ -92,18 +115,29 @@ class Options:
     """The backend's ``previous_weights`` for each generation, one of ``ov_backend.PREVIOUS_WEIGHTS`` (the backend
     checks it: another value, e.g. edited by hand in ``config.json``, leaves the generation in PyTorch and says
     why)."""
+    step_cache: StepCacheSettings = StepCacheSettings()
+    """Step caching's depth and full steps (its interval is the panel's, ``AccelerateSettings.step_cache``)."""
 
 
 def read_options() -> Options:
     """The options as the Settings tab holds them now. A panel default that is not valid (e.g. edited by hand in
     ``config.json``) gives the panel its defaults, with a WARNING that says which."""
     values = {f.name: host.option(option_key(f.name), getattr(DEFAULTS, f.name)) for f in FIELDS}
-    values["precision"] = precision_name(values["precision"])
     try:
-        panel = build_settings(values)
+        panel = build_settings(panel_values(values))
     except ValueError as exc:
         logger.warning("Accelerate with OpenVINO: Settings -> OpenVINO: %s; the panel starts at the defaults", exc)
         panel = DEFAULTS
     previous = str(host.option(PREVIOUS_WEIGHTS_OPTION, "auto") or "auto")
+    default = StepCacheSettings()
+    keys = {"depth": STEP_CACHE_DEPTH_OPTION, "full_start": STEP_CACHE_START_OPTION, "full_end": STEP_CACHE_END_OPTION}
+    shape = {name: host.option(key, getattr(default, name)) for name, key in keys.items()}
+    try:  # (a slider gives a float)
+        step_cache = StepCacheSettings(**{name: int(v) if isinstance(v, float) and v.is_integer() else v
+                                          for name, v in shape.items()})
+    except ValueError as exc:
+        logger.warning("Accelerate with OpenVINO: Settings -> OpenVINO: %s; step caching uses its defaults", exc)
+        step_cache = default
     return Options(panel=panel, enable_always=bool(host.option(ENABLE_ALWAYS_OPTION, False)),
-                   keep_all_sizes=bool(host.option(KEEP_SIZES_OPTION, False)), previous_weights=previous)
+                   keep_all_sizes=bool(host.option(KEEP_SIZES_OPTION, False)), previous_weights=previous,
+                   step_cache=step_cache)

@@ -239,6 +239,10 @@ class RoutingSession:
                         result[key] = (entry.eager_calls - before, entry.eager_reason)
         return result
 
+    def step_cache_off(self) -> dict[str, str]:
+        """Route label -> why step caching could not split its module (it ran uncached)."""
+        return {e.label: e.step_cache_off for run in self.runs for e in run.entries if e.step_cache_off}
+
     def pytorch(self) -> dict[str, tuple[int, str]]:
         """Route label (named as in :meth:`calls`) -> (calls run in PyTorch, why); only routes that had such
         calls: on the module's own method (Token merging), or through another extension's replacement of the

@@ -16,8 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ov_accelerate_sd.backends import BackendChoice
-from ov_accelerate_sd.openvino_entry import NO_PARTS, NOTE_SEPARATOR, PART_NAMES, SLOTS, format_entry
+from ov_accelerate_sd.openvino_entry import (
+    NO_PARTS,
+    NOTE_SEPARATOR,
+    PART_NAMES,
+    SLOTS,
+    STEP_CACHE_SLOT,
+    format_entry,
+    split_step_cache,
+)
 from ov_accelerate_sd.parts import PARTS
+from ov_accelerate_sd.step_cache import INTERVALS
 
 from .backend_bridge import ov_backend
 
@@ -86,6 +95,17 @@ class AccelerateSettings:
         ),
     )
     """Folder of the disk cache; empty means the default under the WebUI's models folder."""
+    step_cache: int = field(
+        default=1,
+        metadata=_meta(
+            "Step caching",
+            "Run the full UNet only every N sampling steps and its shallow blocks on the steps between, "
+            "reusing its deep features (DeepCache): faster, and the picture changes a little. The depth and the "
+            "steps kept full at the start and the end are in Settings -> OpenVINO.",
+        ),
+    )
+    """The step caching interval: the full UNet every ``step_cache`` sampler steps (1: off), one of
+    ``ov_accelerate_sd.step_cache.INTERVALS`` (the panel shows them with labels, ``options.STEP_CACHE_LABELS``)."""
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -127,13 +147,15 @@ INFOTEXT_ITEMS: tuple[InfotextItem, ...] = (
     InfotextItem("device", "device", 0),
     *(InfotextItem(part, PART_NAMES[part], 1) for part in PARTS),
     InfotextItem("precision", "precision", 2, {name: name for name in ov_backend.PRECISIONS}),
+    # optional, after the three (``openvino_entry.split_step_cache``): written only with step caching on
+    InfotextItem("step_cache", "step caching", SLOTS, {n: STEP_CACHE_SLOT.format(n) for n in INTERVALS}),
 )
 
 
 def format_infotext(settings: AccelerateSettings) -> str:
     """The value of the "OpenVINO" infotext entry (``ov_accelerate_sd.openvino_entry``, the command line's
     too), e.g. "CPU, UNet+VAE+TE, f32"."""
-    return format_entry(settings.device, settings.parts, settings.precision)
+    return format_entry(settings.device, settings.parts, settings.precision, step_cache=settings.step_cache)
 
 
 def parse_infotext(text: str) -> tuple[dict[str, Any], list[str]]:
@@ -147,12 +169,17 @@ def parse_infotext(text: str) -> tuple[dict[str, Any], list[str]]:
         (field name -> value, problems). Values are those of :class:`AccelerateSettings` (the device as
         written, e.g. "GPU.0"; whether it exists on this machine is for the caller to check).
     """
-    entry = text.split(NOTE_SEPARATOR, 1)[0].strip()
+    entry, step_cache = split_step_cache(text.split(NOTE_SEPARATOR, 1)[0].strip())
     slots = [s.strip() for s in entry.rsplit(", ", SLOTS - 1)]
     if len(slots) != SLOTS:
         return {}, [f"expected 'device, parts, precision' (e.g. {DEFAULTS.infotext()!r}), got {text!r}"]
     values: dict[str, Any] = {}
     problems: list[str] = []
+    if step_cache in INTERVALS:  # no step caching slot: made without it
+        values["step_cache"] = step_cache
+    else:
+        known = [STEP_CACHE_SLOT.format(n) for n in INTERVALS[1:]]
+        problems.append(f"unknown step caching in {text!r}; known: {known} or none")
     for slot, slot_text in enumerate(slots):
         items = [item for item in INFOTEXT_ITEMS if item.slot == slot]
         if all(isinstance(getattr(DEFAULTS, item.field), bool) for item in items):
@@ -212,6 +239,13 @@ def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None
     if merged["precision"] not in ov_backend.PRECISIONS:
         raise ValueError(f"Unknown precision {merged['precision']!r}; choose one of {list(ov_backend.PRECISIONS)}")
     merged["cache_dir"] = str(merged["cache_dir"] or "").strip()
+    step_cache = merged["step_cache"]
+    if isinstance(step_cache, float) and step_cache.is_integer():  # a number field, JSON
+        step_cache = int(step_cache)
+    if isinstance(step_cache, bool) or step_cache not in INTERVALS:
+        raise ValueError(f"Unknown step caching interval {merged['step_cache']!r}; choose one of {list(INTERVALS)} "
+                         "(1: off)")
+    merged["step_cache"] = step_cache
     return AccelerateSettings(**merged)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ov_accelerate_sd.parts import PARTS
+from ov_accelerate_sd.step_cache import StepCacheSettings
 
 from . import host
 from .backend_bridge import BackendUnavailable, ov_backend
@@ -28,6 +29,13 @@ from .options import (
     PREVIOUS_WEIGHTS_LABEL,
     PREVIOUS_WEIGHTS_OPTION,
     SECTION,
+    STEP_CACHE_DEPTH_LABEL,
+    STEP_CACHE_DEPTH_OPTION,
+    STEP_CACHE_END_LABEL,
+    STEP_CACHE_END_OPTION,
+    STEP_CACHE_LABELS,
+    STEP_CACHE_START_LABEL,
+    STEP_CACHE_START_OPTION,
     option_key,
     panel_values,
     read_options,
@@ -124,6 +132,12 @@ def build_panel(script: Any, extension: Any, is_img2img: bool) -> Panel:
             choices=list(PRECISION_LABELS.values()),
             value=PRECISION_LABELS[defaults["precision"]],
             elem_id=ids["precision"],
+        )
+        fields["step_cache"] = gr.Radio(
+            label=meta["step_cache"]["label"],
+            choices=list(STEP_CACHE_LABELS.values()),
+            value=STEP_CACHE_LABELS[defaults["step_cache"]],
+            elem_id=ids["step_cache"],
         )
         with gr.Row():
             fields["model_caching"] = gr.Checkbox(
@@ -263,7 +277,8 @@ def on_infotext_pasted(extension: Any, infotext: str, params: dict[str, Any]) ->
     panel's ``infotext_fields`` (see :func:`infotext.expand_pasted`); what cannot be pasted is also
     shown to the user as a gradio warning."""
     default = read_options().enable_always
-    for problem in expand_pasted(params, _device_choices(extension), PRECISION_LABELS, section_default=default):
+    for problem in expand_pasted(params, _device_choices(extension), PRECISION_LABELS, STEP_CACHE_LABELS,
+                                 section_default=default):
         host.gradio().Warning(f"Accelerate with OpenVINO: not pasted: {problem}")
 
 
@@ -279,9 +294,18 @@ def add_settings_section(extension: Any) -> None:
         elif f.name == "precision":
             kwargs = {"component": gr.Radio, "component_args": {"choices": list(PRECISION_LABELS.values())}}
             default = PRECISION_LABELS[default]
+        elif f.name == "step_cache":
+            kwargs = {"component": gr.Radio, "component_args": {"choices": list(STEP_CACHE_LABELS.values())}}
+            default = STEP_CACHE_LABELS[default]
         label = f"{f.metadata['label']} (default of the panel)"
         host.add_option(option_key(f.name), default, label, SECTION, **kwargs)
     host.add_option(ENABLE_ALWAYS_OPTION, False, ENABLE_ALWAYS_LABEL, SECTION)
     host.add_option(KEEP_SIZES_OPTION, False, KEEP_SIZES_LABEL, SECTION)
+    shape = StepCacheSettings()
+    for key, label, value, low in ((STEP_CACHE_DEPTH_OPTION, STEP_CACHE_DEPTH_LABEL, shape.depth, 1),
+                                   (STEP_CACHE_START_OPTION, STEP_CACHE_START_LABEL, shape.full_start, 1),
+                                   (STEP_CACHE_END_OPTION, STEP_CACHE_END_LABEL, shape.full_end, 0)):
+        host.add_option(key, value, label, SECTION, component=gr.Slider,
+                        component_args={"minimum": low, "maximum": 11, "step": 1})
     host.add_option(PREVIOUS_WEIGHTS_OPTION, "auto", PREVIOUS_WEIGHTS_LABEL, SECTION, component=gr.Radio,
                     component_args={"choices": list(ov_backend.PREVIOUS_WEIGHTS)})

@@ -1,4 +1,5 @@
-"""The X/Y/Z plot axes of the extension: "[OpenVINO] Enabled", "[OpenVINO] Precision", "[OpenVINO] Device".
+"""The X/Y/Z plot axes of the extension: "[OpenVINO] Enabled", "[OpenVINO] Precision", "[OpenVINO] Device",
+"[OpenVINO] Step caching".
 
 A1111's built-in X/Y/Z plot (``scripts/xyz_grid.py``) keeps its axes in a module-level list,
 ``axis_options``, read when its ``ui()`` builds the "X type" dropdowns; extensions add theirs to that
@@ -8,7 +9,8 @@ the one A1111 loaded from that file (found in ``modules.scripts.scripts_data``),
 An axis writes its value for one cell into ``p`` (a copy X/Y/Z makes per cell; the dict is replaced, not
 changed, since the copies share it), and the section's ``process`` hook reads it
 (:func:`section.section_settings`): the Enabled axis turns acceleration on or off for the cell (an "Off"
-cell is stock A1111), and a Precision or Device axis accelerates the cell with that value.
+cell is stock A1111), and a Precision, Device or Step caching axis (the interval: 1 is off) accelerates the
+cell with that value.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from ov_accelerate_sd.step_cache import INTERVALS
 
 from . import host
 from .backend_bridge import BackendUnavailable, ov_backend
@@ -55,6 +59,7 @@ def _parse_enabled(text: str) -> bool:
 def axes(extension: Any) -> list[tuple[str, Callable[..., Any], Callable[[], list[str]], Callable[..., None]]]:
     """(label, apply, choices, confirm) of each axis."""
     precisions = list(ov_backend.PRECISIONS)
+    intervals = [str(n) for n in INTERVALS]
 
     def devices() -> list[str]:
         try:
@@ -69,6 +74,8 @@ def axes(extension: Any) -> list[tuple[str, Callable[..., Any], Callable[[], lis
         (AXIS_PREFIX + "Precision", _setter("precision", str), lambda: precisions,
          _confirm("Precision", lambda: precisions)),
         (AXIS_PREFIX + "Device", _setter("device", str), devices, _confirm("Device", devices)),
+        (AXIS_PREFIX + "Step caching", _setter("step_cache", int), lambda: intervals,
+         _confirm("Step caching", lambda: intervals)),
     ]
 
 

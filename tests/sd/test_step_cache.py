@@ -42,13 +42,13 @@ def test_full_and_shallow_give_the_unets_own_output_at_every_depth_and_size(fami
             own = unet(args[0], args[1], encoder_hidden_states=args[2], **kwargs).sample
             for depth in range(1, layers):
                 split = split_unet(unet, depth)
-                out, feature = split.full(*args, **kwargs)
+                out, feature = split.full(unet, *args, **kwargs)
                 assert torch.equal(out, own), (size, depth)
-                assert torch.equal(split.shallow(*args, feature=feature, **kwargs), own), (size, depth)
+                assert torch.equal(split.shallow(unet, *args, feature=feature, **kwargs), own), (size, depth)
             # a feature from another step gives another output: the shallow call does use it
             later, _ = _unet_call(family, unet, size, seed=1)
-            _, old_feature = split_unet(unet, 2).full(later[0], *args[1:], **kwargs)
-            assert not torch.equal(split_unet(unet, 2).shallow(*args, feature=old_feature, **kwargs), own)
+            _, old_feature = split_unet(unet, 2).full(unet, later[0], *args[1:], **kwargs)
+            assert not torch.equal(split_unet(unet, 2).shallow(unet, *args, feature=old_feature, **kwargs), own)
 
 
 def test_a_depth_that_does_not_fit_and_a_unet_it_does_not_know_are_refused() -> None:
@@ -103,47 +103,47 @@ def test_the_entry_names_step_caching_only_when_the_unet_ran_with_it() -> None:
 class _Recorder:
     """Runs the split eagerly and records which kind each call ran."""
 
-    def __init__(self, split: torch.nn.Module) -> None:
-        self.split, self.kinds = split, []
+    def __init__(self, split: torch.nn.Module, unet: torch.nn.Module) -> None:
+        self.split, self.unet, self.kinds = split, unet, []
 
     def __call__(self, kind: str, args: tuple, kwargs: dict):
         self.kinds.append(kind)
-        return getattr(self.split, kind)(*args, **kwargs)
+        return getattr(self.split, kind)(self.unet, *args, **kwargs)
 
 
 def test_a_feature_is_reused_only_for_the_same_unet_weights_size_and_prompt() -> None:
     unet = random_components(tiny_config("sd1"), seed=7)[0]
     split = split_unet(unet, 2)
     run = StepCacheRun(StepCacheSettings(interval=3, full_start=1, full_end=0))  # F s s F s s ...
-    record = _Recorder(split)
+    record = _Recorder(split, unet)
     args, kwargs = _unet_call("sd1", unet, (8, 8))
     with torch.no_grad():
-        run.call(split, args, kwargs, record)  # no sampling yet: full, nothing kept
+        run.call(unet, args, kwargs, record)  # no sampling yet: full, nothing kept
         assert record.kinds == ["full"] and not run._kept
         run.begin(10)
-        run.call(split, args, kwargs, record)  # step 0: full, kept
+        run.call(unet, args, kwargs, record)  # step 0: full, kept
         run.at_step(1)
-        run.call(split, args, kwargs, record)  # shallow on the kept feature
+        run.call(unet, args, kwargs, record)  # shallow on the kept feature
         other_size, _ = _unet_call("sd1", unet, (8, 12))
-        run.call(split, other_size, kwargs, record)  # another size: full
+        run.call(unet, other_size, kwargs, record)  # another size: full
         other_prompt = (args[0], args[1], args[2] + 1)
-        run.call(split, other_prompt, kwargs, record)  # another prompt: full
+        run.call(unet, other_prompt, kwargs, record)  # another prompt: full
         with torch.no_grad():
             unet.conv_in.bias.add_(0.1)  # a LoRA written in place
-        run.call(split, args, kwargs, record)  # new weights: full
+        run.call(unet, args, kwargs, record)  # new weights: full
         run.at_step(2)
-        run.call(split, args, kwargs, record)  # the features just kept (new weights): shallow
+        run.call(unet, args, kwargs, record)  # the features just kept (new weights): shallow
         assert record.kinds == ["full", "full", "shallow", "full", "full", "full", "shallow"]
         assert run.forced_full == {"another input size than at the last full step": 1,
                                    "another prompt or conditioning than at the last full step": 1,
                                    "the UNet's weights changed since its last full step": 1}
         run.begin(10)  # the next image: nothing reused
         run.at_step(1)
-        run.call(split, args, kwargs, record)
+        run.call(unet, args, kwargs, record)
         assert record.kinds[-1] == "full"
         assert run.forced_full["no full step of this UNet yet in this sampling"] == 1
         run.end()
-        run.call(split, args, kwargs, record)
+        run.call(unet, args, kwargs, record)
         assert record.kinds[-1] == "full" and not run._kept
     assert run.shallow_calls == 2 and run.full_calls == 7
     assert "2 shallow UNet call(s)" in run.describe()

@@ -35,6 +35,7 @@ ENTRIES = [
         "HETERO:GPU.0,CPU, none, auto",
     ),
     ({"device": "AUTO", "precision": "f32", "model_caching": False, "cache_dir": "/c, d"}, "AUTO, UNet+VAE+TE, f32"),
+    ({"step_cache": 3, "vae": False}, "CPU, UNet+TE, auto, step cache 3"),
 ]
 #: The fields that describe this machine, not the image: deliberately not in the infotext.
 NOT_IN_INFOTEXT = {"model_caching", "cache_dir"}
@@ -45,7 +46,7 @@ def test_infotext_table_covers_each_field_once() -> None:
     names = [item.name for item in INFOTEXT_ITEMS]
     assert len(set(fields)) == len(fields) and len(set(names)) == len(names)
     assert set(fields) | NOT_IN_INFOTEXT == set(FIELD_NAMES) and not set(fields) & NOT_IN_INFOTEXT
-    assert sorted({item.slot for item in INFOTEXT_ITEMS}) == list(range(SLOTS))
+    assert sorted({item.slot for item in INFOTEXT_ITEMS}) == list(range(SLOTS + 1))  # (+ step caching's, optional)
     for item in INFOTEXT_ITEMS:
         if item.spellings is not None:  # every value of the field has a spelling, and spellings differ
             assert len(set(item.spellings.values())) == len(item.spellings)
@@ -75,7 +76,7 @@ def test_entry_notes_are_written_after_it_and_ignored_when_read() -> None:
         "OpenVINO": "CPU, UNet+TE, f32; tiny-refiner in PyTorch; hires, model in PyTorch",
     }
     assert parse_infotext(written["OpenVINO"]) == (
-        {"device": "CPU", "unet": True, "vae": False, "text_encoder": True, "precision": "f32"},
+        {"device": "CPU", "unet": True, "vae": False, "text_encoder": True, "precision": "f32", "step_cache": 1},
         [],
     )
 
@@ -83,11 +84,15 @@ def test_entry_notes_are_written_after_it_and_ignored_when_read() -> None:
 @pytest.mark.parametrize(
     ("entry", "values", "problem"),
     [
-        ("CPU, UNet+VAE+TE, bf16", {"device": "CPU", "unet": True, "vae": True, "text_encoder": True}, "'bf16'"),
-        ("GPU.1, UNet+LoRA, f32", {"device": "GPU.1", "precision": "f32"}, "['LoRA']"),
-        ("CPU, , auto", {"device": "CPU", "precision": "auto"}, "unknown part"),
+        ("CPU, UNet+VAE+TE, bf16", {"device": "CPU", "unet": True, "vae": True, "text_encoder": True,
+                                    "step_cache": 1}, "'bf16'"),
+        ("GPU.1, UNet+LoRA, f32", {"device": "GPU.1", "precision": "f32", "step_cache": 1}, "['LoRA']"),
+        ("CPU, , auto", {"device": "CPU", "precision": "auto", "step_cache": 1}, "unknown part"),
         ("CPU", {}, "expected 'device, parts, precision'"),
-        (", UNet, auto", {"unet": True, "vae": False, "text_encoder": False, "precision": "auto"}, "empty"),
+        (", UNet, auto", {"unet": True, "vae": False, "text_encoder": False, "precision": "auto", "step_cache": 1},
+         "empty"),
+        ("CPU, UNet, auto, step cache 9", {"device": "CPU", "unet": True, "vae": False, "text_encoder": False,
+                                           "precision": "auto"}, "unknown step caching"),
     ],
 )
 def test_unreadable_slots_are_left_out_with_the_reason(entry: str, values: dict[str, Any], problem: str) -> None:
@@ -122,7 +127,8 @@ def paste(tab: str, infotext: str) -> dict[str, Any]:
 
 def test_script_declares_its_paste_fields(fake_host: Any, extension: Extension) -> None:
     runner, script, _demo = build_tab(extension)
-    keys = {"device": "device", "unet": "UNet", "vae": "VAE", "text_encoder": "TE", "precision": "precision"}
+    keys = {"device": "device", "unet": "UNet", "vae": "VAE", "text_encoder": "TE", "precision": "precision",
+            "step_cache": "step caching"}
     expected = [(script.elem_id(field), f"OpenVINO {name}") for field, name in keys.items()]
     assert [(c.elem_id, key) for c, key in script.infotext_fields] == expected
     assert script.paste_field_names == [key for _id, key in expected]
@@ -154,6 +160,7 @@ def test_pasting_a_generated_infotext_restores_the_script_and_its_panel(
         script.elem_id("vae"): False,
         script.elem_id("text_encoder"): False,
         script.elem_id("precision"): PRECISION_F32,
+        script.elem_id("step_cache"): "Off",  # made without step caching: pasted as off
     }
     # Generate after the paste: run() gets back the settings of the image (the cache is this machine's).
     args = [pasted.get(c.elem_id, c.value) for c in runner.inputs[script.args_from : script.args_to]]

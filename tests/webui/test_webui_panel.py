@@ -42,7 +42,7 @@ def test_panel_builds_with_controls_in_field_order(fake_host: Any, extension: Ex
         components = script.ui(is_img2img)
     assert [c.elem_id for c in components] == [script.elem_id(name) for name in FIELD_NAMES]
     kinds = [type(c).__name__ for c in components]
-    assert kinds == ["Dropdown", "Checkbox", "Checkbox", "Checkbox", "Radio", "Checkbox", "Textbox"]
+    assert kinds == ["Dropdown", "Checkbox", "Checkbox", "Checkbox", "Radio", "Checkbox", "Textbox", "Radio"]
     device = components[0]
     assert any(label.startswith("CPU: ") for label in device.choices) and "AUTO: let OpenVINO choose" in device.choices
     config = demo.get_config_file()
@@ -79,8 +79,10 @@ def test_bad_script_args_are_rejected_with_the_fix(fake_host: Any, extension: Ex
         from_ui_args(["GPU.7"], extension.device_names())
     with pytest.raises(ValueError, match="precision"):
         from_ui_args(["CPU", True, True, True, "bf17"])
-    with pytest.raises(ValueError, match="at most 7"):
-        from_ui_args([None] * 8)
+    with pytest.raises(ValueError, match="at most 8"):
+        from_ui_args([None] * 9)
+    with pytest.raises(ValueError, match=r"step caching interval 5; choose one of \[1, 2, 3, 4\]"):
+        from_ui_args(["CPU", True, True, True, "f32", True, "", 5])
 
 
 def test_settings_section_sets_panel_defaults(fake_host: Any, backend_api: BackendApi) -> None:

@@ -11,7 +11,7 @@ from conftest import IMAGE_TOLERANCE, make_p, max_pixel_diff
 from test_webui_generation import routed_modules
 
 from ov_accelerate_webui.infotext import SECTION_PASTE_KEY, expand_pasted
-from ov_accelerate_webui.options import PRECISION_LABELS
+from ov_accelerate_webui.options import PRECISION_LABELS, STEP_CACHE_LABELS
 from ov_accelerate_webui.section import ARG_NAMES, OVERRIDE_ATTR, make_section_class, section_settings
 from ov_accelerate_webui.settings import FIELD_NAMES
 
@@ -34,8 +34,8 @@ def test_arguments_positional_named_short_and_wrong() -> None:
         section_settings([True, "CPU", "yes"], None, None)
     with pytest.raises(ValueError, match="first argument .'enabled'. must be true or false"):
         section_settings(["CPU", True], None, None)
-    with pytest.raises(ValueError, match="at most 8 arguments"):
-        section_settings([True, *range(8)], None, None)
+    with pytest.raises(ValueError, match="at most 9 arguments"):
+        section_settings([True, *range(9)], None, None)
     with pytest.raises(ValueError, match="unknown OpenVINO section argument"):
         section_settings([{"enable": True}], None, None)
     with pytest.raises(ValueError, match="Unknown OpenVINO device 'GPU.7'|GPU.7"):
@@ -181,7 +181,7 @@ def test_paste_restores_the_section_as_the_image_was_made(
     params: dict[str, Any], default: bool, enabled: bool, script: str | None
 ) -> None:
     params = dict(params)
-    expand_pasted(params, [("CPU", "CPU")], PRECISION_LABELS, section_default=default)
+    expand_pasted(params, [("CPU", "CPU")], PRECISION_LABELS, STEP_CACHE_LABELS, section_default=default)
     assert params[SECTION_PASTE_KEY] is enabled
     assert params.get("Script") == script
 
@@ -202,13 +202,14 @@ def test_xyz_axes_are_added_once_and_write_a_new_dict_per_cell(fake_host: Any, e
     xyz.AxisOption, xyz.axis_options = AxisOption, [AxisOption("Nothing", str, None)]
     scripts.scripts_data.append(SimpleNamespace(path="/webui/scripts/xyz_grid.py", module=xyz))
     try:
-        assert register_axes(extension) == 3 and register_axes(extension) == 0  # a UI reload adds none again
+        assert register_axes(extension) == 4 and register_axes(extension) == 0  # a UI reload adds none again
     finally:
         scripts.scripts_data.pop()
     axes = {option.label: option for option in xyz.axis_options}
     assert axes["[OpenVINO] Enabled"].choices() == ["On", "Off"]
     assert axes["[OpenVINO] Precision"].choices() == ["auto", "f32", "int8"]
     assert "CPU" in axes["[OpenVINO] Device"].choices()
+    assert axes["[OpenVINO] Step caching"].choices() == ["1", "2", "3", "4"]
     with pytest.raises(RuntimeError, match=r"unknown value\(s\) \['bf16'\]; choose from"):
         axes["[OpenVINO] Precision"].confirm(None, ["f32", "bf16"])
     p = SimpleNamespace()

@@ -254,7 +254,7 @@ def test_http_api_runs_the_script_with_script_args_in_ui_order(
     info = next(s for s in api.get("/sdapi/v1/script-info").json() if s["name"] == "accelerate with openvino")
     assert [a["label"] for a in info["args"]] == [f.metadata["label"] for f in FIELDS]
 
-    script_args = ["CPU", True, True, True, PRECISION_LABELS["f32"], True, str(shared_cache_dir)]  # as the panel
+    script_args = ["CPU", True, True, True, PRECISION_LABELS["f32"], True, str(shared_cache_dir), "Off"]  # as the panel
     assert len(script_args) == len(FIELD_NAMES)
     request = {"prompt": "a tiny cat", "negative_prompt": "", "seed": 7, "steps": 2, "width": 64, "height": 64}
     plain = api.post("/sdapi/v1/txt2img", json=request).json()

@@ -68,7 +68,7 @@ def test_every_layer_lists_the_same_parts_in_one_order() -> None:
     assert build_settings({"vae": False}).parts == ("unet", "text_encoder")
     assert DEFAULTS.infotext() == "CPU, UNet+VAE+TE, auto"
     assert parse_infotext("CPU, TE+UNet, f32") == ({"unet": True, "vae": False, "text_encoder": True,
-                                                    "device": "CPU", "precision": "f32"}, [])
+                                                    "device": "CPU", "precision": "f32", "step_cache": 1}, [])
 
 
 def test_booleans_are_booleans() -> None:
