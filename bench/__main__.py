@@ -16,7 +16,8 @@ logger = logging.getLogger("bench")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                epilog="python -m bench webui --help: the real-WebUI benchmark (its own options)")
+                                epilog="python -m bench webui --help: the real-WebUI benchmark; "
+                                       "python -m bench step-cache --help: step caching's images")
     p.add_argument("--quick", action="store_true", help="small models, seconds not minutes (CI smoke test)")
     p.add_argument("--components", nargs="+", choices=models.COMPONENT_NAMES, metavar="NAME",
                    help=f"components to measure (default: {' '.join(settings.DEFAULT_COMPONENTS)}; "
@@ -52,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import webui
 
         return webui.main(argv[1:])
+    if argv[:1] == ["step-cache"]:  # step caching's quality and speed, whole images (its own options)
+        from bench import step_cache
+
+        return step_cache.main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -9,6 +9,10 @@
 * ``static``: ``openvino.convert_model(module, example_input=...)`` + ``Core.compile_model``,
   the ceiling: one model for exactly these input shapes, no per-call guard or bookkeeping.
 
+* ``ov_full`` and ``ov_shallow`` (UNets only): step caching's two calls (``ov_accelerate_sd.step_cache``, at its
+  default depth), each through ``ov_dynamic``'s route: the full UNet that also returns the deep feature, and
+  the shallow UNet on a feature made once from the same inputs. Their ratio is what a cached step saves.
+
 A backend variant named with a third part, ``/plain`` (``ov_dynamic/auto/plain``), converts without the
 backend's graph rewrites (its option ``rewrites=[]``, see ``ov_backend.rewrites``): what they gain, measured
 in the same run.
@@ -40,14 +44,17 @@ logger = logging.getLogger(__name__)
 #: as the WebUI adapter does: the route the WebUI's parts take (one conversion, a reshape and compile per
 #: size); "ov_shared" is ov_dynamic with one model compiled with dynamic shapes for every size (the
 #: backend's ``shared_shapes="always"``; under "auto" a part takes it when it needs two sizes at once)
-KINDS: tuple[str, ...] = ("eager", "ov_backend", "ov_dynamic", "ov_shared", "static", "stock")
+KINDS: tuple[str, ...] = ("eager", "ov_backend", "ov_dynamic", "ov_shared", "static", "stock", "ov_full",
+                          "ov_shallow")
+#: step caching's calls of a UNet (see the module docstring)
+STEP_CACHE_KINDS: frozenset[str] = frozenset({"ov_full", "ov_shallow"})
 #: kinds run by ov_backend
-BACKEND_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic", "ov_shared"})
+BACKEND_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic", "ov_shared"}) | STEP_CACHE_KINDS
 PRECISIONS: tuple[str, ...] = ("auto", "f32", "int8")
 #: the third part of a backend variant's name that turns the backend's graph rewrites off
 PLAIN = "plain"
 #: kinds that run at "int8"
-INT8_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic"})
+INT8_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic"}) | STEP_CACHE_KINDS
 #: calls recorded (at float) before an int8 variant quantizes
 INT8_CALIBRATION_CALLS = 4
 #: oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) without bf16 kernels
@@ -199,8 +206,41 @@ def calibration_inputs(inputs: Sequence[Any], k: int) -> list[Any]:
     return varied
 
 
+class StepCacheCall(torch.nn.Module):
+    """A UNet call wrapper's (``bench.models``) step caching call: the full one (its output) or the shallow one
+    on the feature the full call keeps for ``inputs`` (held as a buffer)."""
+
+    def __init__(self, call: torch.nn.Module, shallow: bool, inputs: Sequence[torch.Tensor]) -> None:
+        from ov_accelerate_sd.step_cache import StepCacheSettings, split_unet
+
+        super().__init__()
+        self.call = call
+        # the default depth (a small ``--quick`` UNet: as deep as it has)
+        self.split = split_unet(call.unet, min(StepCacheSettings().depth, split_unet(call.unet, 1).layers - 1))
+        self.shallow = shallow
+        if shallow:
+            with torch.no_grad():
+                self.register_buffer("feature", self._full(*inputs)[1])
+
+    @staticmethod
+    def _arguments(inputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        sample, timestep, context, *added = inputs
+        kwargs = {"added_cond_kwargs": dict(zip(("text_embeds", "time_ids"), added))} if added else {}
+        return (sample, timestep, context), kwargs
+
+    def _full(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        args, kwargs = self._arguments(inputs)
+        return self.split.full(self.call.unet, *args, **kwargs)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if not self.shallow:
+            return self._full(*inputs)[0]
+        args, kwargs = self._arguments(inputs)
+        return self.split.shallow(self.call.unet, *args, feature=self.feature, **kwargs)
+
+
 def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, caching: bool,
-                dynamic: bool | None) -> Prepared:
+                dynamic: bool | None, inputs: Sequence[torch.Tensor] = ()) -> Prepared:
     from ov_backend import OVBackend
 
     options: dict[str, Any] = {"device": "CPU", "model_caching": caching, "cache_dir": str(cache_dir),
@@ -212,8 +252,10 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
     if not spec.rewrites:
         options["rewrites"] = []
     backend = OVBackend(options)
+    if spec.kind in STEP_CACHE_KINDS:
+        module = StepCacheCall(module, spec.kind == "ov_shallow", inputs)
     compiled = torch.compile(module, backend=backend, dynamic=dynamic)
-    marked = spec.kind in ("ov_dynamic", "ov_shared")
+    marked = spec.kind in ("ov_dynamic", "ov_shared") or spec.kind in STEP_CACHE_KINDS
     calibrating = [spec.precision == "int8"]
 
     def call(*inputs: torch.Tensor) -> torch.Tensor:
@@ -285,5 +327,5 @@ def prepare(spec: VariantSpec, module: torch.nn.Module, inputs: Sequence[torch.T
     if spec.kind == "stock":
         return _stock(module, spec, cache_dir, caching)
     if spec.kind in BACKEND_KINDS:
-        return _ov_backend(module, spec, cache_dir, caching, dynamic)
+        return _ov_backend(module, spec, cache_dir, caching, dynamic, inputs)
     return _static(module, spec, inputs)

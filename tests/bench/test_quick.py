@@ -125,3 +125,32 @@ def test_quick_int8_variant_calibrates_in_its_first_call_and_runs_quantized(tmp_
     assert int8["cold_first_call_split"]["quantize"] > 0
     assert int8["rel_l2_vs_eager"] < 0.2  # random-weight quick UNet: see tests/backend/test_int8.py for the bound
     assert "| ov_dynamic/int8 |" in table and "| quantize |" in table
+
+
+@pytest.mark.slow
+def test_quick_step_cache_variants_run_the_full_and_the_shallow_call(tmp_path):
+    results, table = _run(tmp_path, "--components", "unet", "--only", "components", "--variants", "eager",
+                          "ov_full/f32", "ov_shallow/f32")
+    variants = results["components"]["unet"]["variants"]
+    for name in ("ov_full/f32", "ov_shallow/f32"):
+        assert variants[name]["errors"] == [], name
+        # on the feature of the same inputs, the shallow call gives the full UNet's output
+        assert variants[name]["rel_l2_vs_eager"] < 1e-4, name
+        assert f"| {name} |" in table
+
+
+@pytest.mark.slow
+def test_quick_step_cache_images(tmp_path):
+    from bench.step_cache import main as step_cache_main
+
+    out = tmp_path / "results"
+    assert step_cache_main(["--quick", "--samplers", "Euler a", "--intervals", "2", "--precision", "f32",
+                            "--out", str(out), "--name", "sc"]) == 0
+    results = json.loads((out / "sc.json").read_text(encoding="utf-8"))
+    plain, cached = results["images"]
+    assert (plain["interval"], cached["interval"]) == (1, 2)
+    assert cached["schedule"] == "FFsFsF" and cached["shallow_calls"] == 2 and cached["full_calls"] == 4
+    assert len(cached["errors"]) == 2 and all(0 < e < 10 for _step, e in cached["errors"])
+    assert 10 < cached["psnr"] < 200
+    table = (out / "sc.md").read_text(encoding="utf-8")
+    assert "| Euler a | 2 | `FFsFsF` |" in table and "Relative L2 error" in table
