@@ -31,6 +31,7 @@ from .test_real_webui import (
     accelerated,
     assert_ran_in_openvino,
     min_psnr,
+    perturbed,
 )
 from .test_real_webui import request as new_request
 from .webui import CHECKPOINT_A, Result, WebUI, decode_image
@@ -140,6 +141,24 @@ def check_txt2img(webui: WebUI, checkpoint: str, what: str) -> None:
 @pytest.mark.parametrize("checkpoint", [SDXL_BASE], indirect=True)
 def test_sdxl_txt2img_matches_stock(webui: WebUI, checkpoint: str) -> None:
     check_txt2img(webui, checkpoint, "SDXL txt2img")
+
+
+@pytest.mark.parametrize("checkpoint", [SDXL_BASE], indirect=True)
+@pytest.mark.parametrize(("part", "relative_std"), [("unet", 0.05), ("vae", 0.1), ("te0", 2.0), ("te1", 2.0)])
+def test_the_sdxl_comparison_would_catch_a_wrong_part(webui: WebUI, checkpoint: str, part: str,
+                                                       relative_std: float) -> None:
+    """An error in one routed part's output (added to the accelerated part's) moves SDXL's picture below the
+    bound, as it does SD 1.5's (``test_real_webui.py``): the UNet's, the VAE decoder's, CLIP-L's or OpenCLIP's.
+    The tiny model's picture is far less sensitive to its text encoders than to its UNet or VAE: noise of their
+    output's own spread moves it to 38.7 dB (CLIP-L) and 40.7 dB (OpenCLIP), so their error here is twice that
+    (about 33-35 dB); another prompt moves it to 28.6 dB."""
+    payload = new_request(f"a harbour at dawn, {part}")
+    stock = generate(webui, payload)
+    wrong = generate(webui, perturbed(payload, part, relative_std), fast=True)
+    assert_every_part_in_openvino(wrong.status, {SDXL_BASE: parts(SDXL_BASE)})
+    value = min_psnr(stock, wrong)
+    webui.record(f"SDXL: perturbed {part} output by {relative_std:.0%}", value)
+    assert value < MIN_PSNR
 
 
 @pytest.mark.parametrize("checkpoint", [SD2_V], indirect=True)
