@@ -173,7 +173,7 @@ def test_sdxl_with_the_refiner_switching_mid_generation_matches_stock(webui: Web
     text = "a castle in the fog"
     plain = generate(webui, new_request(text, steps=4))
     stock, fast = stock_and_fast(webui, new_request(text, steps=4, refiner_checkpoint=SDXL_REFINER,
-                                                refiner_switch_at=0.5))
+                                                    refiner_switch_at=0.5))
     assert "ovtest-sdxl-refiner" in stock.infotexts[0], stock.infotexts[0]
     moved = min_psnr(plain, stock)
     webui.record("SDXL: stock with the refiner vs without", moved)
