@@ -16,6 +16,7 @@ import pytest
 from .webui import WebUI, testbed_ready, testbed_root
 
 PERTURB_EXTENSION = Path(__file__).with_name("ovtest-perturb")
+OPEN_CLIP_EXTENSION = Path(__file__).with_name("ovtest-open-clip")  # the SDXL and SD 2.x models' tiny OpenCLIP
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +33,7 @@ def webui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebUI]:
                     "serve files from there (its page scripts get 403); build it elsewhere (A1111_ROOT)")
     data = tmp_path_factory.mktemp("webui-data")
     ui = WebUI(root, data, tmp_path_factory.mktemp("webui-logs"))
-    ui.prepare([PERTURB_EXTENSION])
+    ui.prepare([PERTURB_EXTENSION, OPEN_CLIP_EXTENSION])
     ui.start()
     try:
         yield ui

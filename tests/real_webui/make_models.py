@@ -9,7 +9,8 @@ Usage: ``python make_models.py <webui folder> <data dir> <HF snapshot of CLIP-L'
 Writes into ``<data dir>/models``: ``Stable-diffusion/ovtest-tiny-{a,b}.{safetensors,yaml}``,
 ``Lora/ovtest-{lora,locon,loha,lokr}.safetensors``, the tiny CLIP text model's folder ``ovtest-clip/`` and a
 random TAESD decoder, ``VAE-taesd/taesd_decoder.pth`` (the WebUI would download the trained one on first use of
-Settings -> VAE -> TAESD; offline it must be there).
+Settings -> VAE -> TAESD; offline it must be there). Then ``make_models_sdxl_sd2.py`` (beside this file) adds the
+tiny SDXL base and refiner, SD 2.x v-prediction checkpoint, SDXL LoRA and SDXL approximate VAE.
 
 Random weights are made non-degenerate the way a trained model is: LDM zero-initialises every
 ResBlock's last conv and every transformer's output projection (the UNet would return 0 whatever the
@@ -173,7 +174,7 @@ def _lora_layers(model: Any, convolutions: bool = False) -> list[tuple[str, Any]
     return names
 
 
-def _save_lora(tensors: dict[str, Any], models: str, name: str, layers: int) -> None:
+def save_lora(tensors: dict[str, Any], models: str, name: str, layers: int) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(os.path.join(models, "Lora"), exist_ok=True)
@@ -195,7 +196,7 @@ def write_lora(model: Any, models: str) -> None:
         tensors[f"{key}.lora_down.weight"] = down
         tensors[f"{key}.lora_up.weight"] = up
         tensors[f"{key}.alpha"] = torch.tensor(float(rank))
-    _save_lora(tensors, models, "ovtest-lora", len(names))
+    save_lora(tensors, models, "ovtest-lora", len(names))
 
 
 def write_lora_kinds(model: Any, models: str) -> None:
@@ -220,7 +221,7 @@ def write_lora_kinds(model: Any, models: str) -> None:
             locon[f"{key}.lora_down.weight"] = torch.randn(rank, m.in_features, generator=gen) / m.in_features**0.5
             locon[f"{key}.lora_up.weight"] = torch.randn(m.out_features, rank, generator=gen) * scale
         locon[f"{key}.alpha"] = torch.tensor(float(rank))
-    _save_lora(locon, models, "ovtest-locon", len(layers))
+    save_lora(locon, models, "ovtest-locon", len(layers))
 
     gen = torch.Generator().manual_seed(12)
     loha: dict[str, torch.Tensor] = {}
@@ -230,7 +231,7 @@ def write_lora_kinds(model: Any, models: str) -> None:
             loha[f"{key}.hada_w{i}_a"] = torch.randn(m.out_features, rank, generator=gen) * scale
             loha[f"{key}.hada_w{i}_b"] = torch.randn(rank, m.in_features, generator=gen) / rank**0.5
         loha[f"{key}.alpha"] = torch.tensor(float(rank))
-    _save_lora(loha, models, "ovtest-loha", len(layers))
+    save_lora(loha, models, "ovtest-loha", len(layers))
 
     gen = torch.Generator().manual_seed(13)
     lokr: dict[str, torch.Tensor] = {}
@@ -239,7 +240,7 @@ def write_lora_kinds(model: Any, models: str) -> None:
         lokr[f"{key}.lokr_w1"] = torch.randn(4, 4, generator=gen)
         lokr[f"{key}.lokr_w2"] = torch.randn(m.out_features // 4, m.in_features // 4, generator=gen) * (
             0.6 * float(m.weight.std()))
-    _save_lora(lokr, models, "ovtest-lokr", len(layers))
+    save_lora(lokr, models, "ovtest-lokr", len(layers))
 
 
 def write_taesd_decoder(models: str) -> None:
@@ -291,6 +292,9 @@ def main(webui: str, data_dir: str, clip_snapshot: str) -> None:
         if seed == 1:
             write_lora(model, models)
             write_lora_kinds(model, models)
+    import make_models_sdxl_sd2  # beside this file, which runs as a script
+
+    make_models_sdxl_sd2.main(webui, models, clip_dir)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ It shows that a picture comparison could fail: with the UNet's, the VAE's or the
 perturbed by a small relative error, the picture must move beyond the tier's PSNR bound. It is also the
 "other always-on script" whose arguments follow ours in an API request. Arguments (API
 ``alwayson_scripts``: ``{"ovtest perturb": {"args": [part, relative_std]}}``): part is "", "unet",
-"vae" or "te"; relative_std is the noise's standard deviation relative to the output's. Part "attention"
+"vae", "te" (SD 1.x's text encoder) or "te0", "te1" (that SDXL embedder's output as A1111's prompt wrapper
+gets it, its pooled output left as it is); relative_std is the noise's standard deviation relative to the
+output's. Part "attention"
 perturbs nothing: it writes the name of the UNet's attention forward in use while the generation runs into
 the infotext ("ovtest attention"). Part "replace-unet" perturbs nothing either: it replaces the UNet's
 forward for the generation with one that runs the class's own forward, never the instance's (as
@@ -23,6 +25,8 @@ def _targets(model, part):
         return model.first_stage_model, "decode"
     if part == "te":
         return model.cond_stage_model.wrapped.transformer.text_model.final_layer_norm, "forward"
+    if part in ("te0", "te1"):
+        return model.conditioner.embedders[int(part[2:])], "encode_with_transformers"
     raise ValueError(f"unknown part {part!r}")
 
 
@@ -62,7 +66,10 @@ class OvtestPerturb(scripts.Script):
         def perturbed(*a, **k):
             out = inner(*a, **k)
             noise = torch.randn(out.shape, generator=generator).to(out.dtype)
-            return out + noise * float(relative_std) * out.float().std().to(out.dtype)
+            result = out + noise * float(relative_std) * out.float().std().to(out.dtype)
+            if hasattr(out, "pooled"):  # A1111's OpenCLIP-bigG wrapper hangs the pooled output on the tensor
+                result.pooled = out.pooled
+            return result
 
         setattr(module, method, perturbed)
         self._saved = (module, method, previous)
