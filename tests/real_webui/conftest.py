@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .webui import WebUI, testbed_ready, testbed_root
+from .webui import CHECKPOINT_A, WebUI, testbed_ready, testbed_root
 
 PERTURB_EXTENSION = Path(__file__).with_name("ovtest-perturb")
 OPEN_CLIP_EXTENSION = Path(__file__).with_name("ovtest-open-clip")  # the SDXL and SD 2.x models' tiny OpenCLIP
@@ -39,3 +39,16 @@ def webui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebUI]:
         yield ui
     finally:
         ui.stop()
+
+
+@pytest.fixture
+def checkpoint(webui: WebUI, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The checkpoint of the test's parameter, loaded through the options (as the dropdown does), and the
+    tier's SD 1.5-shaped checkpoint back afterwards. ``CLIP_stop_at_last_layers`` is written to the options
+    first, so that A1111 restores it after each request that overrides it."""
+    name = request.param
+    webui.call("/sdapi/v1/options", {"sd_model_checkpoint": name, "CLIP_stop_at_last_layers": 1})
+    try:
+        yield name
+    finally:
+        webui.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A})

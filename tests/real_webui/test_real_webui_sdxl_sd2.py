@@ -17,7 +17,6 @@ the conditioning-cache key but unused by these models (SDXL's CLIP-L layer is th
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ from .test_real_webui import (
     perturbed,
 )
 from .test_real_webui import request as new_request
-from .webui import CHECKPOINT_A, Result, WebUI, decode_image
+from .webui import Result, WebUI, decode_image
 
 SDXL_BASE = "ovtest-sdxl-base.safetensors"
 SDXL_REFINER = "ovtest-sdxl-refiner.safetensors"
@@ -112,19 +111,6 @@ def assert_sane(webui: WebUI, what: str, picture: Result, other_prompt: Result) 
     value = min_psnr(picture, other_prompt)
     webui.record(f"{what}: stock, another prompt", value)
     assert value < MIN_PSNR, f"{what}: the prompt hardly changes stock's picture ({value:.1f} dB)"
-
-
-@pytest.fixture
-def checkpoint(webui: WebUI, request: pytest.FixtureRequest) -> Iterator[str]:
-    """The checkpoint of the test's parameter, loaded through the options (as the dropdown does), and the
-    tier's SD 1.5-shaped checkpoint back afterwards. ``CLIP_stop_at_last_layers`` is written to the options
-    first, so that A1111 restores it after each request that overrides it."""
-    name = request.param
-    webui.call("/sdapi/v1/options", {"sd_model_checkpoint": name, "CLIP_stop_at_last_layers": 1})
-    try:
-        yield name
-    finally:
-        webui.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A})
 
 
 def check_txt2img(webui: WebUI, checkpoint: str, what: str) -> None:

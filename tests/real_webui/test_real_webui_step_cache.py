@@ -8,6 +8,9 @@ from typing import Any
 import pytest
 
 from .test_real_webui import F32_ARGS, _unique, accelerated, assert_ran_in_openvino, min_psnr, request
+from .test_real_webui import request as new_request
+from .test_real_webui_sdxl_sd2 import SDXL_BASE, SDXL_REFINER, fresh
+from .test_real_webui_sdxl_sd2 import generate as sdxl_generate
 from .webui import WebUI
 
 #: The picture at interval 2 against the uncached one, same seed, f32, on the tier's tiny random models
@@ -56,3 +59,22 @@ def test_step_caching_restarts_for_each_batch_and_the_hires_pass(webui: WebUI) -
     assert facts["shallow_calls"] == 2 * 2 * 2, cached.status["status"]
     assert not facts["full_on_shallow_steps"], cached.status["status"]
     assert len(cached.images) == 4 and cached.images[0].shape == (96, 96, 3)
+
+
+@pytest.mark.parametrize("checkpoint", [SDXL_BASE], indirect=True)
+def test_sdxl_step_caching_with_the_refiner_taking_over(webui: WebUI, checkpoint: str) -> None:
+    """SGM's UNet splits as LDM's does; the refiner's UNet, another module, starts from a full step of its own."""
+    payload = new_request("a castle in the fog", steps=10, refiner_checkpoint=SDXL_REFINER, refiner_switch_at=0.5)
+    plain = sdxl_generate(webui, payload, fast=True)
+    cached = webui.generate(accelerated(fresh(payload), [*F32_ARGS, 2]))
+    status = webui.status()
+    assert 'step cache 2"' in cached.infotexts[0], cached.infotexts[0]
+    facts = status["step_cache"]
+    assert facts["shallow_calls"] >= 4 and not facts["unsupported"], status["status"]
+    # no feature of the base's UNet reaches the refiner's: had the switch fallen on a cached step, that call
+    # would have run full for this reason
+    assert set(facts["full_on_shallow_steps"]) <= {"no full step of this UNet yet in this sampling"}, \
+        status["status"]
+    difference = min_psnr(plain, cached)
+    webui.record("SDXL with the refiner, step caching every 2 steps, against uncached", difference)
+    assert MIN_PSNR_INTERVAL_2 <= difference < 80, difference
