@@ -240,7 +240,8 @@ def build_settings(values: Mapping[str, Any], device_names: Sequence[str] | None
         raise ValueError(f"Unknown precision {merged['precision']!r}; choose one of {list(ov_backend.PRECISIONS)}")
     merged["cache_dir"] = str(merged["cache_dir"] or "").strip()
     step_cache = merged["step_cache"]
-    if isinstance(step_cache, float) and step_cache.is_integer():  # a number field, JSON
+    if isinstance(step_cache, float) and step_cache.is_integer() or isinstance(step_cache, str) and \
+            step_cache.strip().isdigit():  # a number field, JSON, a typed value
         step_cache = int(step_cache)
     if isinstance(step_cache, bool) or step_cache not in INTERVALS:
         raise ValueError(f"Unknown step caching interval {merged['step_cache']!r}; choose one of {list(INTERVALS)} "

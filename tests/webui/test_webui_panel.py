@@ -83,6 +83,8 @@ def test_bad_script_args_are_rejected_with_the_fix(fake_host: Any, extension: Ex
         from_ui_args([None] * 9)
     with pytest.raises(ValueError, match=r"step caching interval 5; choose one of \[1, 2, 3, 4\]"):
         from_ui_args(["CPU", True, True, True, "f32", True, "", 5])
+    for given in (3, 3.0, "3", "Every 3 steps"):  # API requests: the interval, or the panel's label
+        assert from_ui_args(["CPU", True, True, True, "f32", True, "", given], read=panel_values).step_cache == 3
 
 
 def test_settings_section_sets_panel_defaults(fake_host: Any, backend_api: BackendApi) -> None:
