@@ -103,7 +103,7 @@ def test_section_is_an_always_on_script_with_a_title_of_its_own(webui: WebUI) ->
     for img2img in (False, True):
         section = next(s for s in info if s["name"] == SECTION.lower() and s["is_img2img"] == img2img)
         assert section["is_alwayson"], section
-        assert len(section["args"]) == len(SECTION_F32)
+        assert len(section["args"]) == len(SECTION_F32) + 1  # (step caching, not sent by these tests: off)
         assert section["args"][0]["value"] is False  # off unless the user turns it on
         dropdown = next(s for s in info if s["name"] == SCRIPT_NAME and s["is_img2img"] == img2img)
         assert not dropdown["is_alwayson"]
@@ -130,7 +130,7 @@ def test_section_named_arguments_and_a_short_list(webui: WebUI) -> None:
     status = webui.status()
     assert_ran_in_openvino(status)
     assert status["settings"] == "CPU, UNet+VAE+TE, auto", status
-    webui.generate(with_section(fresh(payload), [*SECTION_F32, "one too many"]))  # A1111 cuts the list to 8
+    webui.generate(with_section(fresh(payload), [*SECTION_F32, "Off", "one too many"]))  # A1111 cuts the list to 9
     status = webui.status()
     assert_ran_in_openvino(status)
     assert status["settings"] == "CPU, UNet+VAE+TE, f32", status
