@@ -159,6 +159,12 @@ class Accelerator:
             self._checkpoints.add(checkpoint_key(model))
             return self._prepared(model, targets, run.choice, run.settings, run.f32_choice, run.mark, run.step_cache)
 
+    def routes_for(self, run: PreparedRun, model: Any, targets: list[Target]) -> PreparedRun:
+        """Routes for more modules of ``model`` during ``run`` (a UNet's blocks, a ControlNet network), on
+        ``run``'s backends, without step caching."""
+        with self._lock:
+            return self._prepared(model, targets, run.choice, run.settings, run.f32_choice, run.mark)
+
     def _prepared(self, model: Any, targets: list[Target], choice: BackendChoice, settings: AccelerateSettings,
                   f32_choice: BackendChoice | None, mark: Mark | None = None,
                   step_cache: StepCacheRun | None = None) -> PreparedRun:
@@ -210,7 +216,7 @@ class Accelerator:
             entry = compile_route(
                 target.part, target.label, weakref.ref(target.module), source, self.backends.counter(choice),
                 dict(target.varying_dims) if target.varying_dims is not None else VARYING_DIMS,
-                getattr(function, "__code__", None), target.method,
+                getattr(function, "__code__", None), target.method, target.own_code,
             )
             entries.append(entry)
         return entry

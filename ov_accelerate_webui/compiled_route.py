@@ -122,11 +122,13 @@ def compile_route(
     varying_dims: Mapping[int, tuple[int, ...]],
     code: CodeType | None,
     method: str = "forward",
+    own_code: bool = False,
 ) -> CompiledRoute:
     """A route whose method is ``source`` compiled through ``counter``'s backend (``ov_backend.CompiledMethod``);
     ``method`` is the name the routed module's method is replaced under, ``code`` the code object dynamo
-    keeps its compiled variants on."""
-    compiled = ov_backend.CompiledMethod(source, counter, varying_dims, method, code)
+    keeps its compiled variants on, ``own_code`` whether to compile a copy with its own (see
+    ``ov_backend.CompiledMethod``)."""
+    compiled = ov_backend.CompiledMethod(source, counter, varying_dims, method, None if own_code else code, own_code)
     return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=compiled)
 
 
@@ -134,7 +136,7 @@ def f32_route(entry: CompiledRoute, counter: GraphRunCounter) -> CompiledRoute:
     """``entry``'s route built again through ``counter`` (the f32 backend's)."""
     like = entry.compiled
     return compile_route(entry.part, entry.label, entry.module_ref, like.source, counter, like.varying, like.code,
-                         like.attribute)
+                         like.attribute, like.own_code)
 
 
 def make_forward(

@@ -16,6 +16,7 @@ from typing import Any
 from . import cache_owners, host
 from .accelerator import WINDOW_CONTINUE, WINDOW_NEW, WINDOW_OFF, Accelerator
 from .backend_bridge import BackendApi, BackendUnavailable, load_backend, ov_backend
+from .controlnet import control_units
 from .generation import (
     Generation,
     InfotextEntry,
@@ -136,7 +137,8 @@ class Extension:
             raise NotAccelerated(f"Accelerate with OpenVINO: not used for this image: {exc}", logging.WARNING) from exc
         if section:  # X/Y/Z plot's cells share one dict: this cell's entries must not reach the next one's
             p.extra_generation_params = dict(p.extra_generation_params)
-        generation = Generation(accelerator, prepared, model, settings, InfotextEntry(p, settings, section).unsupported)
+        generation = Generation(accelerator, prepared, model, settings, InfotextEntry(p, settings, section).unsupported,
+                                lambda: control_units(p))
         generation.owner, generation.section = id(p), section
         cache_folder = settings.backend_choice(host.default_cache_dir()).cache_dir if settings.model_caching else ""
         generation.cache_folder, generation.cached_before = cache_folder, self._cache_keys(cache_folder)

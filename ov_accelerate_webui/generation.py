@@ -26,6 +26,7 @@ from ov_accelerate_sd.openvino_entry import PART_NAMES
 from .accelerator import Accelerator, PreparedRun
 from .attention import FusedAttention
 from .backend_bridge import ov_backend
+from .controlnet import ControlUnit
 from .finite_guard import F32Switch
 from .infotext import generation_params
 from .lora import LoraChange, changes_line
@@ -131,11 +132,12 @@ class Generation:
     """
 
     def __init__(self, accelerator: Accelerator, prepared: PreparedRun, model: Any, settings: AccelerateSettings,
-                 on_unsupported: Callable[[str, str], None]) -> None:
+                 on_unsupported: Callable[[str, str], None],
+                 control_units: Callable[[], list[ControlUnit]] = list) -> None:
         self.accelerator = accelerator
         self.prepared = prepared
         self.settings = settings
-        self.session = RoutingSession(accelerator, prepared, model, on_unsupported=on_unsupported)
+        self.session = RoutingSession(accelerator, prepared, model, on_unsupported, control_units)
         self._on_unsupported = on_unsupported
         self._said: set[str] = set()
         self.attention = FusedAttention() if "unet" in settings.parts else None
@@ -232,7 +234,7 @@ class Generation:
             pytorch=session.pytorch(),
             step_cache=step_cache_facts(prepared.step_cache, session),
         )
-        record.notes = _uncalled_vae(record.calls, vae_methods)
+        record.notes = [*session.notes, *_uncalled_vae(record.calls, vae_methods)]
         record.status = record.text()
         logger.info("%s", record.status)
         if record.eager:

@@ -95,6 +95,9 @@ class Target:
     """The method of ``module`` that is routed ("forward", or e.g. "text_transformer_forward")."""
     varying_dims: tuple[tuple[int, tuple[int, ...]], ...] | None = None
     """Tensor rank -> dimensions that change between generations; None: the UNet/VAE default."""
+    own_code: bool = False
+    """Compile a copy of the method with its own code object (one of many modules of a class compiled apart,
+    e.g. a UNet's blocks: ``ov_backend.compiled_method.with_own_code``)."""
 
     @property
     def label(self) -> str:

@@ -23,9 +23,11 @@ from typing import Any
 from ov_accelerate_sd.openvino_entry import PART_NAMES
 
 from .accelerator import Accelerator, PreparedRun
+from .controlnet import ControlUnit, control_targets
 from .finite_guard import F32Switch
-from .model_parts import UnsupportedModel, checkpoint_key
+from .model_parts import Target, UnsupportedModel, checkpoint_key
 from .routing import describe, foreign, routed
+from .unet_blocks import block_targets, blocks_blocked
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class RoutingSession:
         first: the prepared routes of the model loaded when the generation started.
         model: that model.
         on_unsupported: called with (model name, reason) when a model switched to cannot be routed.
+        control_units: the generation's ControlNet units (:func:`.controlnet.control_units`), asked before
+            each sampling step.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class RoutingSession:
         first: PreparedRun,
         model: Any,
         on_unsupported: Callable[[str, str], None] = lambda name, reason: None,
+        control_units: Callable[[], list[ControlUnit]] = list,
     ) -> None:
         self.accelerator = accelerator
         self.first = first
@@ -81,11 +86,23 @@ class RoutingSession:
         #: UNet route key -> [calls of our route at the first step seen, steps seen, said]: sampling steps that
         #: never call the routed forward, with nothing replacing it (something calls the class's own forward)
         self._bypassed: dict[tuple[int, str], list[Any]] = {}
+        self._control_units = control_units
+        #: UNet route key -> the routes of its blocks (another extension's forward calls them), who that forward
+        #: is, and the UNet's own compiled route
+        self._blocks: dict[tuple[int, str], tuple[PreparedRun, str, Any]] = {}
+        #: routes made during the generation that the status does not list one by one (a UNet's blocks)
+        self._block_runs: list[PreparedRun] = []
+        #: ControlNet unit -> [sampling steps it ran in PyTorch, why]
+        self._control_pytorch: dict[str, list[Any]] = {}
+        #: ``id`` of the runs of ControlNet networks (called on the steps of their guidance range only)
+        self._control_runs: set[int] = set()
+        self.notes: list[str] = []
+        """What the status says besides the calls (e.g. a UNet that ran block by block)."""
 
     def __enter__(self) -> RoutingSession:
         self._stack.__enter__()
         try:
-            self._route(self.first)
+            self._route(self.first, self._first_model)
             self._models.append((weakref.ref(self._first_model), checkpoint_key(self._first_model)))
         except BaseException:
             self._stack.close()
@@ -97,9 +114,9 @@ class RoutingSession:
             try:
                 self._stack.__exit__(*exc)
             finally:
-                self.accelerator.keep_only(self.runs)
+                self.accelerator.keep_only([*self.runs, *self._block_runs])
 
-    def _route(self, run: PreparedRun) -> None:
+    def _route(self, run: PreparedRun, model: Any) -> None:
         new = [(r, e) for r, e in zip(run.routes, run.entries) if (id(r.module), r.method) not in self._routed]
         taken = []
         for route, entry in new:
@@ -108,8 +125,12 @@ class RoutingSession:
                 taken.append(route)
                 continue
             # another extension replaced the method before us (its process() ran first): routing over it would
-            # drop its work from the picture, so the part runs its way, in PyTorch, and the status says so
+            # drop its work from the picture, so the part runs its way (its blocks in OpenVINO when they can)
             why = f"another extension replaced its {route.method} before this generation: {describe(other)}"
+            blocked = self._route_blocks(run, model, route, entry, other)
+            if not blocked:
+                continue
+            why += f"; its blocks cannot run in OpenVINO one by one: {blocked}" if blocked is not True else ""
             self._foreign[(id(route.module), route.method)] = [why, _reached(entry), 0, True]
             logger.warning("Accelerate with OpenVINO: %s (%s) runs in PyTorch: %s", PART_NAMES[entry.part],
                            entry.label, why)
@@ -117,24 +138,80 @@ class RoutingSession:
         self._stack.enter_context(routed(tuple(taken)))
         self._routed.update((id(r.module), r.method) for r, _e in new)
 
+    def _route_blocks(self, run: PreparedRun, model: Any, route: Any, entry: Any, other: Any) -> str | bool:
+        """Route the blocks of the UNet ``route`` whose method ``other`` replaced: "" when they are routed (or
+        were), else why not (True: not a UNet)."""
+        key = (id(route.module), route.method)
+        if key in self._blocks:
+            return ""
+        if entry.part != "unet" or route.method != "forward":
+            return True
+        blocked = blocks_blocked(route.module)
+        if blocked:
+            return blocked
+        targets = block_targets(Target(entry.part, entry.label, route.module))
+        blocks = self.accelerator.routes_for(run, model, targets)
+        self._stack.enter_context(routed(blocks.routes))
+        self._blocks[key] = (blocks, describe(other), entry)
+        self._block_runs.append(blocks)
+        released = entry.release()  # the whole UNet's compiled model is not called while its blocks are
+        logger.info("Accelerate with OpenVINO: the UNet's forward (%s) was replaced by %s, which calls its blocks: "
+                    "%d blocks routed one by one (%d compiled model(s) of the whole UNet released)", entry.label,
+                    describe(other), len(targets), released)
+        self.notes.append(f"UNet ({entry.label}): its forward was replaced by {describe(other)}; its "
+                          f"{len(targets)} blocks ran in OpenVINO one by one, with that extension's work between "
+                          "them in PyTorch.")
+        return ""
+
+    def _route_control(self) -> None:
+        """Route the ControlNet networks of the generation not routed yet; note the units that run in PyTorch."""
+        units = self._control_units()
+        for unit in units:
+            if unit.network is None:
+                name = f"ControlNet unit {unit.index + 1} ({unit.kind})"
+                seen = self._control_pytorch.get(name)
+                if seen is None:
+                    self._control_pytorch[name] = [1, unit.why]
+                    logger.warning("Accelerate with OpenVINO: %s runs in PyTorch: %s", name, unit.why)
+                    self._on_unsupported(f"ControlNet unit {unit.index + 1}", unit.why)
+                else:
+                    seen[0] += 1
+        targets = [t for t in control_targets(units) if (id(t.module), t.method) not in self._routed]
+        if targets:
+            model = self._run_models[0]()
+            run = self.accelerator.routes_for(self.first, model, targets)
+            self._route(run, model)
+            self.runs.append(run)
+            self.run_names.append("")
+            self._run_models.append(self._run_models[0])
+            self._control_runs.add(id(run))
+
     def observe(self, current: Any = None) -> None:
         """Before each sampling step: notice a routed method another extension replaced while the generation
-        runs (e.g. ControlNet's hook, installed in its ``process``), and, from the next step on, whether the
-        replacement calls the accelerated method (then the part still runs in OpenVINO) or not (then it runs
-        in PyTorch: said at once, so the infotext's note is written before the images are)."""
+        runs (e.g. ControlNet's hook, installed in its ``process``): a UNet's blocks are then routed one by
+        one when they can be; else, from the next step on, whether the replacement calls the accelerated
+        method (then the part still runs in OpenVINO) or not (then it runs in PyTorch: said at once, so the
+        infotext's note is written before the images are). Route ControlNet's networks."""
         with self._lock:
+            self._route_control()
             for run, model_ref in zip(self.runs, self._run_models):
+                if id(run) in self._control_runs:
+                    continue
                 loaded = current is None or model_ref() is current  # (a switched-from model's UNet is idle)
                 for route, entry in zip(run.routes, run.entries):
                     key = (id(route.module), route.method)
                     seen = self._foreign.get(key)
                     if seen is None:
                         other = foreign(route.module, route.method)
-                        if other is not None:
+                        blocked = self._route_blocks(run, model_ref(), route, entry, other) if other is not None \
+                            else True
+                        if other is not None and blocked:
                             why = (f"its {route.method} was replaced during the generation by {describe(other)}, "
                                    "which does not call the accelerated one")
+                            if blocked is not True:
+                                why += f"; its blocks cannot run in OpenVINO one by one: {blocked}"
                             self._foreign[key] = [why, _reached(entry), 1, False]
-                        elif entry.part == "unet" and loaded:
+                        elif other is None and entry.part == "unet" and loaded:
                             self._check_called(key, entry)
                         continue
                     seen[2] += 1
@@ -206,8 +283,17 @@ class RoutingSession:
                         continue
                     seen.add(id(entry))
                     key = f"{name}: {entry.label}" if name else entry.label
-                    result[key] = result.get(key, 0) + entry.calls - before
+                    result[key] = result.get(key, 0) + entry.calls - before + self._calls_by_blocks(entry)
         return result
+
+    def _calls_by_blocks(self, unet: Any) -> int:
+        """The UNet evaluations of ``unet``'s route that ran through its blocks (each calls the first input
+        block once)."""
+        for blocks, _who, entry in self._blocks.values():
+            if entry is unet:
+                first = next(i for i, e in enumerate(blocks.entries) if e.label.endswith(".input_blocks.0"))
+                return blocks.entries[first].calls - blocks.calls_before[first]
+        return 0
 
     def f32(self) -> dict[str, tuple[F32Switch, bool]]:
         """Route label (named as in :meth:`calls`) -> (why it ran at f32 at automatic precision, whether it
@@ -221,6 +307,8 @@ class RoutingSession:
                     if key not in seen:
                         seen.add(key)
                         result[key] = switch
+            for blocks in self._block_runs:
+                result.update(self.accelerator.f32_since(blocks))
         return result
 
     def eager(self) -> dict[str, tuple[int, str]]:
@@ -237,6 +325,10 @@ class RoutingSession:
                     if entry.eager_calls > before:
                         key = f"{name}: {entry.label}" if name else entry.label
                         result[key] = (entry.eager_calls - before, entry.eager_reason)
+            for blocks in self._block_runs:
+                for entry, before in zip(blocks.entries, blocks.eager_before):
+                    if entry.eager_calls > before:
+                        result[entry.label] = (entry.eager_calls - before, entry.eager_reason)
         return result
 
     def step_cache_off(self) -> dict[str, str]:
@@ -264,4 +356,6 @@ class RoutingSession:
                     bypassed = self._bypassed.get((id(route.module), route.method))
                     if bypassed is not None and bypassed[2] and _reached(entry) == bypassed[0]:
                         result[key] = (bypassed[1], BYPASSED + " (calls counted in sampling steps)")
+            for name, (steps, why) in self._control_pytorch.items():
+                result[name] = (steps, why + " (calls counted in sampling steps)")
         return result

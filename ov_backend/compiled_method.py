@@ -38,6 +38,23 @@ def input_signature(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple:
     return tuple((tuple(v.shape), str(v.dtype)) for v in values if isinstance(v, torch.Tensor))
 
 
+def with_own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A function that calls ``method``, with a code object of its own.
+
+    dynamo keeps a function's compiled variants on its code object, shared by every object of the class (and
+    for a class of torch itself, e.g. ``nn.Sequential``, on the one wrapper torch.compile puts around any
+    such method), and runs the function in PyTorch once that code has the recompile limit's number of
+    variants: the blocks of one UNet (a dozen objects of a few classes) would exceed it. Compiling this
+    function instead keeps each object's variants apart (dynamo traces through it into ``method``)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace()  # (a new code object: functions made here share theirs)
+    call.__qualname__ = getattr(method, "__qualname__", call.__qualname__)
+    return call
+
+
 class CompiledMethod:
     """One method of a module compiled through ``counter``'s backend.
 
@@ -47,11 +64,18 @@ class CompiledMethod:
         varying: tensor rank -> the dimensions that vary between calls (marked dynamic).
         attribute: the name the module's method is replaced under (set aside while capturing).
         code: the code object dynamo keeps the method's compiled variants on (default: the source's).
+        own_code: compile a copy of the method with a code object of its own (:func:`with_own_code`), for a
+            module whose class has many objects compiled apart; its captures are not saved (the saved key
+            names the class's method, which the other objects share).
     """
 
     def __init__(self, source: Callable[..., Any], counter: GraphRunCounter,
                  varying: Mapping[int, tuple[int, ...]], attribute: str = "forward",
-                 code: CodeType | None = None) -> None:
+                 code: CodeType | None = None, own_code: bool = False) -> None:
+        if own_code:
+            source = with_own_code(source)
+            code = source.__code__
+        self.own_code = own_code
         self.source = source
         self.counter = counter
         self.varying = varying
@@ -59,6 +83,8 @@ class CompiledMethod:
         self.graphs = GraphCollector(counter)
         self.compiled = torch.compile(source, backend=self.graphs)
         self.captures = SavedCaptures.of(source, attribute, self.graphs, counter.backend, varying)
+        if own_code:
+            self.captures.off = "a copy of its class's method, compiled apart from the class's other objects"
         self.code = code if code is not None else getattr(getattr(source, "__func__", source), "__code__", None)
         #: the input signatures (:func:`input_signature`) of the calls run so far
         self.seen: set[tuple] = set()

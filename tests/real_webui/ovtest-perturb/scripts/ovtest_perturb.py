@@ -10,7 +10,9 @@ output's. Part "attention"
 perturbs nothing: it writes the name of the UNet's attention forward in use while the generation runs into
 the infotext ("ovtest attention"). Part "replace-unet" perturbs nothing either: it replaces the UNet's
 forward for the generation with one that runs the class's own forward, never the instance's (as
-sd-webui-controlnet's hook does), so whatever was routed there is not called.
+sd-webui-controlnet's hook does), so whatever was routed there is not called. Part "replace-unet-inner"
+does that and also replaces the forward of the UNet's middle block with one that runs the class's forward
+(as ControlNet's reference-only and style-align modes do with their group-norm hooks).
 """
 
 import gradio as gr
@@ -47,14 +49,22 @@ class OvtestPerturb(scripts.Script):
 
             p.extra_generation_params["ovtest attention"] = CrossAttention.forward.__name__
             return
-        if part == "replace-unet":
+        if part in ("replace-unet", "replace-unet-inner"):
             unet = p.sd_model.model.diffusion_model
 
             def controlnet_like_forward(*a, **k):
                 return type(unet).forward(unet, *a, **k)
 
-            self._saved = (unet, "forward", unet.__dict__.get("forward"))
+            self._saved = [(unet, "forward", unet.__dict__.get("forward"))]
             unet.forward = controlnet_like_forward
+            if part == "replace-unet-inner":
+                block = unet.middle_block
+
+                def group_norm_like_forward(*a, **k):
+                    return type(block).forward(block, *a, **k)
+
+                self._saved.append((block, "forward", block.__dict__.get("forward")))
+                block.forward = group_norm_like_forward
             return
         if not part or not relative_std:
             return
@@ -72,14 +82,12 @@ class OvtestPerturb(scripts.Script):
             return result
 
         setattr(module, method, perturbed)
-        self._saved = (module, method, previous)
+        self._saved = [(module, method, previous)]
 
     def postprocess(self, p, processed, *args):
-        if getattr(self, "_saved", None) is None:
-            return
-        module, method, previous = self._saved
-        if previous is None:
-            module.__dict__.pop(method, None)
-        else:
-            setattr(module, method, previous)
+        for module, method, previous in reversed(getattr(self, "_saved", None) or ()):
+            if previous is None:
+                module.__dict__.pop(method, None)
+            else:
+                setattr(module, method, previous)
         self._saved = None
