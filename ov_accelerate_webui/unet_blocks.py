@@ -16,6 +16,7 @@ norms, Token merging), and then the UNet runs the other extension's way, in PyTo
 from __future__ import annotations
 
 import logging
+
 from torch import nn
 
 from .model_parts import Target, token_merging
