@@ -42,6 +42,10 @@ BYPASSED = ("sampling steps ran but none called the routed forward, and nothing 
             "extension) called the model's own forward directly")
 
 
+#: Why a UNet run block by block is not step cached.
+BLOCKS_UNCACHED = "another extension's forward ran its blocks one by one, which step caching does not split"
+
+
 def model_name(model: Any) -> str:
     """The checkpoint's short name (A1111 ``name_for_extra``), e.g. "sd_xl_refiner_1.0"."""
     info = getattr(model, "sd_checkpoint_info", None)
@@ -161,6 +165,8 @@ class RoutingSession:
         self.notes.append(f"UNet ({entry.label}): its forward was replaced by {describe(other)}; its "
                           f"{len(targets)} blocks ran in OpenVINO one by one, with that extension's work between "
                           "them in PyTorch.")
+        if run.step_cache is not None and self.accelerator.on_uncached is not None:
+            self.accelerator.on_uncached(entry, BLOCKS_UNCACHED)
         return ""
 
     def _route_control(self) -> None:
@@ -333,7 +339,8 @@ class RoutingSession:
 
     def step_cache_off(self) -> dict[str, str]:
         """Route label -> why step caching could not split its module (it ran uncached)."""
-        return {e.label: e.step_cache_off for run in self.runs for e in run.entries if e.step_cache_off}
+        off = {e.label: e.step_cache_off for run in self.runs for e in run.entries if e.step_cache_off}
+        return {**off, **{entry.label: BLOCKS_UNCACHED for _b, _who, entry in self._blocks.values()}}
 
     def pytorch(self) -> dict[str, tuple[int, str]]:
         """Route label (named as in :meth:`calls`) -> (calls run in PyTorch, why); only routes that had such
