@@ -18,19 +18,25 @@ What keeps a saved capture honest:
 Anything else, or any failure to capture whole (a graph break), load or save, runs the call as before
 (``torch.compile`` capturing in this process), with the reason logged.
 
+While capturing, the methods a module's own ``__dict__`` replaces are set aside (:func:`routes_set_aside`):
+the routed method of the module itself, and any such replacement on a module passed to the method (step
+caching's split takes the routed UNet). They close over the caller's objects, which torch cannot save with
+the guards; where the traced code calls one, dynamo guards on its absence, and that capture is dropped.
+
 A capture file is a pickle, like torch's own compile caches: the cache folder must be as trusted as the
 extension's code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +68,53 @@ def call_form(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple:
 
     return (tuple(form(a) for a in args), tuple((k, form(kwargs[k])) for k in sorted(kwargs)),
             torch.is_grad_enabled())
+
+
+def modules_in(value: Any) -> list[torch.nn.Module]:
+    """The modules among a call's arguments (in tuples, lists and dicts too), each once."""
+    found: dict[int, torch.nn.Module] = {}
+
+    def walk(item: Any) -> None:
+        if isinstance(item, torch.nn.Module):
+            found.setdefault(id(item), item)
+        elif isinstance(item, (tuple, list)):
+            for each in item:
+                walk(each)
+        elif isinstance(item, Mapping):
+            for each in item.values():
+                walk(each)
+
+    walk(value)
+    return list(found.values())
+
+
+def overrides(module: torch.nn.Module) -> list[str]:
+    """The names under which ``module``'s own ``__dict__`` replaces a method of its class (a routed
+    ``forward``, another library's hook)."""
+    cls = type(module)
+    return [name for name, value in vars(module).items()
+            if callable(value) and inspect.isroutine(inspect.getattr_static(cls, name, None))]
+
+
+@contextlib.contextmanager
+def routes_set_aside(entries: Iterable[tuple[Any, str]]) -> Iterator[None]:
+    """Within the block, each ``(module, name)`` of ``entries`` has no ``name`` in its own ``__dict__``
+    (its class's method shows through); afterwards, whatever happens, the entries taken are put back.
+
+    A capture is made this way: torch saves with the guards the plain attributes of every module the traced
+    code reads, and a routed method there is a closure over the caller's objects (an OpenVINO ``Core``),
+    which cannot be pickled. The replaced method is the route, not what is captured: where the traced code
+    called it, dynamo guards on its absence, so the capture does not match a call with it in place (and
+    that call runs through torch.compile)."""
+    taken: list[tuple[Any, str, Any]] = []
+    try:
+        for module, name in entries:
+            if name in vars(module):
+                taken.append((module, name, vars(module).pop(name)))
+        yield
+    finally:
+        for module, name, value in reversed(taken):
+            vars(module)[name] = value
 
 
 def variant_key(key: str, variant: int) -> str:
@@ -193,21 +246,27 @@ class SavedCaptures:
     def _capture(self, key: str, known: list[Any], tried: set[int], args: tuple[Any, ...],
                  kwargs: Mapping[str, Any]) -> Any | None:
         start = time.perf_counter()
-        # the module's own __dict__ holds the replacement (its caller's objects, e.g. a backend): torch saves
-        # a module's plain attributes with the guards, so it is set aside while capturing
-        routed = vars(self.module).pop(self.attribute, None)
+        # the module's own __dict__ holds the replacement, and so may a module passed to the method (e.g. a
+        # routed UNet given to a split of its forward): the caller's objects (e.g. a backend), which torch
+        # would save with the guards, so they are set aside while capturing (see routes_set_aside)
         try:
-            made = portable.capture(self.source, args, dict(kwargs), self.backend, dict(self.varying))
+            with routes_set_aside([(self.module, self.attribute), *(
+                    (module, name) for module in modules_in((args, kwargs)) for name in overrides(module))]):
+                made = portable.capture(self.source, args, dict(kwargs), self.backend, dict(self.varying))
         except Exception as err:  # a graph break, a guard torch cannot save: torch.compile as before
             first_line = (str(err).splitlines() or [""])[0][:200]
             self.off = f"it cannot be captured whole ({type(err).__name__}: {first_line})"
             logger.info("%s runs through torch.compile without a saved capture: %s", self._base["method"], self.off)
             return None
         finally:
-            if routed is not None:
-                setattr(self.module, self.attribute, routed)
             self.record(capture_seconds=time.perf_counter() - start)
         self.record(captures_made=1)
+        if not made.matches(self.module, *args, **kwargs):
+            # e.g. the code calls a method set aside while capturing: every capture would be the same
+            self.off = "its capture does not hold for the call it was made for (does the code call a method " \
+                       "that a module's own __dict__ replaces?)"
+            logger.info("%s runs through torch.compile without a saved capture: %s", self._base["method"], self.off)
+            return None
         known.append(made)
         if self.cache is not None:
             # the first variant with no file (none of them matched this call), else the last one
@@ -222,4 +281,4 @@ class SavedCaptures:
             except Exception as err:  # a full disk, an object torch cannot save: used in this process only
                 logger.warning("could not save the capture of %s to %s (%s); the next process traces it again",
                                self._base["method"], path, err)
-        return made if made.matches(self.module, *args, **kwargs) else None
+        return made

@@ -4,10 +4,13 @@ what it traced changed (the source, or a function it called)."""
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -263,3 +266,97 @@ def test_a_batch_of_one_converts_nothing_and_every_capture_is_saved(
         check(captures, (2, 4, 16, 16), (1, 4, 16, 16))
         stats = backend.stats()
         assert stats["captures_made"] == 0 and stats["captures_loaded"] >= 1 and stats["convert_seconds"] == 0, stats
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.nn.functional.silu(self.conv(x)).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class _Split(torch.nn.Module):
+    """As step caching's split of a UNet: methods that take the (routed) module as an argument."""
+
+    def blocks(self, net: _Blocks, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.silu(net.conv(x)).permute(0, 2, 3, 1)
+        return net.lin(h).permute(0, 3, 1, 2) * 0.5
+
+    def whole(self, net: _Blocks, x: torch.Tensor) -> torch.Tensor:
+        return net(x) * 0.5
+
+
+def _routed(net: _Blocks) -> Callable[..., Any]:
+    """``net`` routed as the entry points route a module: its ``forward`` replaced in its own ``__dict__`` by
+    a closure over the caller's objects, here an OpenVINO ``Core``, which cannot be pickled."""
+    import openvino
+
+    core = openvino.Core()
+    with pytest.raises(TypeError, match="pickle"):
+        pickle.dumps(core)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        assert core is not None
+        return _Blocks.forward(net, x) + 1
+
+    net.forward = forward
+    return forward
+
+
+def test_a_method_taking_a_routed_module_is_saved_and_loaded_with_the_module_routed(tmp_path: Path) -> None:
+    """The module passed to the method is routed (its forward, in its own __dict__, holds an OpenVINO Core):
+    the capture is saved all the same, and the next process, with the module routed again, loads it instead
+    of tracing and computes the method's result; the route is left in place."""
+    from ov_backend import CompiledMethod, GraphRunCounter
+
+    net, split = _Blocks().eval(), _Split()
+    route = _routed(net)
+
+    def method() -> tuple[OVBackend, CompiledMethod]:
+        backend = OVBackend({"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")})
+        return backend, CompiledMethod(split.blocks, GraphRunCounter(backend), {4: (0, 2, 3)}, "blocks")
+
+    with torch.no_grad():
+        backend, compiled = method()
+        for shape in ((2, 4, 16, 16), (1, 4, 8, 24)):
+            x = torch.randn(*shape)
+            got, eager = compiled.call((net, x), {})
+            assert not eager
+            torch.testing.assert_close(got, split.blocks(net, x), atol=1e-4, rtol=1e-4)
+        stats = backend.stats()
+        assert stats["captures_made"] == 1 and stats["captures_saved"] == 1, stats
+        assert len(list((tmp_path / "cache").rglob("*.capture"))) == 1
+        assert vars(net)["forward"] is route
+
+        torch.compiler.reset()  # the next process
+        backend, compiled = method()
+        x = torch.randn(2, 4, 12, 20)
+        got, eager = compiled.call((net, x), {})
+        stats = backend.stats()
+        assert stats["captures_made"] == 0 and stats["captures_loaded"] == 1 and not eager, stats
+        torch.testing.assert_close(got, split.blocks(net, x), atol=1e-4, rtol=1e-4)
+        assert vars(net)["forward"] is route
+
+
+def test_a_method_calling_a_routed_module_runs_the_route(tmp_path: Path) -> None:
+    """The routed method is set aside while capturing, but a method that calls it still runs it: its
+    capture (of the class's forward) does not hold for the routed module, so torch.compile runs the call,
+    and nothing is saved that a later process would trace again and again."""
+    from ov_backend import CompiledMethod, GraphRunCounter
+
+    net, split = _Blocks().eval(), _Split()
+    _routed(net)
+    backend = OVBackend({"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")})
+    compiled = CompiledMethod(split.whole, GraphRunCounter(backend), {4: (0, 2, 3)}, "whole")
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 4, 16, 16)
+            got, _eager = compiled.call((net, x), {})
+            torch.testing.assert_close(got, (_Blocks.forward(net, x) + 1) * 0.5, atol=1e-4, rtol=1e-4)
+    stats = backend.stats()
+    assert stats["captures_made"] == 1 and stats["captures_saved"] == 0, stats
+    assert not list((tmp_path / "cache").rglob("*.capture"))

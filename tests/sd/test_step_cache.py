@@ -3,6 +3,9 @@ command line's ``--step-cache`` through OpenVINO."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -160,7 +163,10 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_the_command_line_caches_steps_through_openvino(tmp_path: Path, sd1_checkpoint: Path, capsys) -> None:
     """``--step-cache 2``: the UNet's full and shallow calls both run in OpenVINO, the image is written with the
-    interval in its OpenVINO entry, and it is close to, not equal to, the uncached image."""
+    interval in its OpenVINO entry, and it is close to, not equal to, the uncached image.
+
+    The two calls take the routed UNet as an argument; their dynamo captures are saved all the same, and the
+    next process loads them instead of tracing the UNet again, and makes the same image."""
     common = ["generate", "--checkpoint", str(sd1_checkpoint), "--prompt", "a red cat", "--seed", "3",
               "--steps", "8", "--width", "64", "--height", "64", "--precision", "f32", "--cache-dir",
               str(tmp_path / "cache"), "--pytorch", "vae", "--pytorch", "text_encoder"]  # (fewer compiles)
@@ -171,11 +177,23 @@ def test_the_command_line_caches_steps_through_openvino(tmp_path: Path, sd1_chec
     # 8 steps at interval 2, first 2 and last 1 full: F F s F s F s F
     assert "step caching every 2 steps (depth 2, full steps: first 2, last 1): 5 full and 3 shallow" in out
     assert "PyTorch calls 0" in out
+    assert "2 captured and saved for the next run" in out, out  # the full and the shallow call
     (plain,) = (tmp_path / "plain").glob("*.png")
     (cached,) = (tmp_path / "cached").glob("*.png")
     assert parse_infotext(read_png_infotext(cached))["OpenVINO"] == "CPU, UNet, f32, step cache 2"
     difference = _psnr(_pixels(plain), _pixels(cached))
     assert 20 < difference < 200, difference
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "ov_backend", *common, "--step-cache", "2", "--out",
+                           str(tmp_path / "again")], capture_output=True, text=True, cwd=root, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (summary,) = (line for line in done.stdout.splitlines() if " image(s) in " in line)
+    assert "2 loaded from the cache" in summary and "captured" not in summary, done.stdout
+    assert "PyTorch calls 0" in summary
+    (again,) = (tmp_path / "again").glob("*.png")
+    assert np.array_equal(_pixels(cached), _pixels(again))
 
 
 def test_step_caching_needs_the_unet_in_openvino(capsys, tmp_path: Path) -> None:
