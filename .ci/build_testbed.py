@@ -7,8 +7,13 @@ Usage (``bash .ci/testbed`` runs it with the defaults below; any python3 >= 3.9 
 What ends up in ``$A1111_ROOT`` (what tests/real_webui/webui.py and ``python -m bench webui`` use):
 
   webui/          the WebUI at v1.10.1, with repositories/ at the commits its launch_utils.py pins, each
-                  with a .git whose HEAD is that commit (the WebUI's git_clone() then does nothing), and
-                  two full-size random SD 1.5 checkpoints in models/Stable-diffusion (for the bench)
+                  with a .git whose HEAD is that commit (the WebUI's git_clone() then does nothing),
+                  two full-size random SD 1.5 checkpoints in models/Stable-diffusion (for the bench and
+                  the ControlNet tests) and a random ControlNet for them in models/ControlNet
+  sd-webui-controlnet/   the ControlNet extension at 56cec5b2 (just after v1.1.455), never in the WebUI's
+                  extensions/: the tests that need it copy it into their own data folder and start the
+                  WebUI with --skip-install (its install.py would move pins and reach GitHub); its
+                  controlnet_aux is in the venv, installed with every other package pinned
   venv/           the WebUI's Python (3.10 or 3.11): torch 2.13.0+cpu, torchvision 0.28.0 and every pin of
                   requirements_versions.txt unmoved (setuptools aside, see SETUPTOOLS), openai-clip
   tvstub/         stand-ins for the CUDA libraries the PyPI torchvision wheel links (LD_LIBRARY_PATH)
@@ -25,6 +30,9 @@ Where the WebUI comes from:
     environment overrides the WebUI does (``STABLE_DIFFUSION_REPO``, ``K_DIFFUSION_COMMIT_HASH``, ...).
     Stability-AI deleted its stablediffusion repository in December 2025; like the WebUI's maintainers
     (AUTOMATIC1111/stable-diffusion-webui#17213) it is fetched from the w-e-w/stablediffusion fork.
+  * ControlNet: ``CONTROLNET_SRC`` (a tar archive or folder; ``.ci/testbed`` uses the workplace's
+    ``sd-webui-controlnet-56cec5b2.tar.gz`` beside the WebUI's archive when it exists), otherwise git,
+    https://github.com/Mikubill/sd-webui-controlnet at 56cec5b2.
 Packages come from the configured package index; torch's CPU wheel from ``$A1111_WHEELS`` (default
 /opt/wheels) when a matching wheel is there, else from ``$TORCH_INDEX_URL`` (PyTorch's CPU index).
 ``A1111_PYTHON`` names the interpreter for the venv (default python3.11).
@@ -72,6 +80,14 @@ CLIP_MODEL = "openai/clip-vit-large-patch14"
 CHECKPOINTS = {"sd15-random.safetensors": 1, "sd15-random-b.safetensors": 2}
 # the recipe of these random checkpoints, shared with the real-WebUI tier's tiny ones (a plain script, no pytest)
 MODEL_RECIPE = "tests/real_webui/make_models.py"
+CONTROLNET_REPO = "https://github.com/Mikubill/sd-webui-controlnet.git"
+CONTROLNET_COMMIT = "56cec5b2958edf3b1807b7e7b2b1b5186dbd2f81"  # just after v1.1.455
+CONTROLNET_VERSION = "v1.1.455"  # its scripts/controlnet_version.py at that commit
+CONTROLNET_AUX = "0.0.10"  # what its preprocessors import; installs beside the WebUI's pins
+CONTROLNET_FOLDER = "sd-webui-controlnet"
+# the random ControlNet, made from the first full-size checkpoint's UNet by the tier's recipe
+CONTROLNET_MODEL = "ovtest-controlnet-sd15.safetensors"
+CONTROLNET_RECIPE = "tests/real_webui/make_controlnet.py"
 # repositories gone from the URL the WebUI v1.10.1 names, and where their pinned commit lives now
 MOVED_REPOSITORIES = {
     "https://github.com/Stability-AI/stablediffusion.git": "https://github.com/w-e-w/stablediffusion.git",
@@ -184,6 +200,7 @@ class TestBed:
         self.tvstub = root / "tvstub"
         self.hf_home = root / "hf-home"
         self.hf_model = self.hf_home / "hub" / f"models--{CLIP_MODEL.replace('/', '--')}"
+        self.controlnet = root / CONTROLNET_FOLDER
 
     # --- running things in the venv ---------------------------------------------------------------
     def env(self, **extra: str) -> dict[str, str]:
@@ -220,6 +237,10 @@ class TestBed:
 
     def versions(self, *names: str) -> dict[str, str | None]:
         return json.loads(self.py(Path(__file__).resolve(), "worker", "versions", *names, capture=True))
+
+    def freeze(self) -> dict[str, str]:
+        """{normalized name: version} of every distribution in the venv."""
+        return json.loads(self.py(Path(__file__).resolve(), "worker", "freeze", capture=True))
 
     # --- 1. the WebUI's source ---------------------------------------------------------------------
     def webui_source(self) -> None:
@@ -407,7 +428,81 @@ class TestBed:
                 say(f"models/Stable-diffusion/{name}: random SD 1.5 weights (seed {seed}, fp16)")
                 self.worker("checkpoint", folder / name, seed, cwd=self.webui)
 
-    # --- 9. the WebUI's own preparation, offline ----------------------------------------------------------
+    # --- 9. sd-webui-controlnet and its controlnet_aux ----------------------------------------------------
+    def controlnet_source(self) -> None:
+        if (self.controlnet / "scripts" / "controlnet.py").is_file():
+            check_controlnet_version(self.controlnet)
+            return
+        staging = self.root / (CONTROLNET_FOLDER + ".part")
+        shutil.rmtree(staging, ignore_errors=True)
+        source = os.environ.get("CONTROLNET_SRC", "")
+        if source:
+            path = Path(source).expanduser()
+            if path.is_dir():
+                say(f"{CONTROLNET_FOLDER}/: copying the folder {path}")
+                shutil.copytree(path, staging, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+            elif path.is_file():
+                say(f"{CONTROLNET_FOLDER}/: unpacking {path}")
+                staging.mkdir()
+                with tarfile.open(path) as archive:
+                    commit = archive.pax_headers.get("comment", "")  # git archive records its commit there
+                    if commit and commit != CONTROLNET_COMMIT:
+                        raise BuildError(f"CONTROLNET_SRC={source} is commit {commit}, not {CONTROLNET_COMMIT}")
+                    if hasattr(tarfile, "data_filter"):
+                        archive.extractall(staging, filter="data")
+                    else:  # Python < 3.11.4
+                        archive.extractall(staging)
+            else:
+                raise BuildError(f"CONTROLNET_SRC={source}: no such file or folder")
+        else:
+            say(f"{CONTROLNET_FOLDER}/: git, {CONTROLNET_REPO} at {CONTROLNET_COMMIT[:8]}")
+            git_fetch_commit(CONTROLNET_REPO, CONTROLNET_COMMIT, staging)
+        top = staging if (staging / "scripts" / "controlnet.py").is_file() else None
+        if top is None:  # archives hold one folder (sd-webui-controlnet/)
+            children = [p for p in staging.iterdir() if p.is_dir()]
+            if len(children) == 1 and (children[0] / "scripts" / "controlnet.py").is_file():
+                top = children[0]
+        if top is None:
+            raise BuildError(f"{source}: no scripts/controlnet.py at its top or in its only folder; "
+                             "not sd-webui-controlnet")
+        check_controlnet_version(top)
+        top.rename(self.controlnet)
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def controlnet_aux(self) -> None:
+        """controlnet_aux under constraints of every installed distribution's version: pip may add packages,
+        never move one; the venv's distributions are compared before and after to be sure."""
+        if self.versions("controlnet_aux")["controlnet_aux"] == CONTROLNET_AUX:
+            return
+        say(f"controlnet_aux {CONTROLNET_AUX}, every installed package as a constraint")
+        before = self.freeze()
+        pinned = self.root / "constraints-controlnet.txt"
+        pinned.write_text("".join(f"{name}=={version}\n" for name, version in sorted(before.items())
+                                  if name != "controlnet-aux"), encoding="utf-8")
+        self.pip_install("--prefer-binary", f"controlnet_aux=={CONTROLNET_AUX}", "-c", pinned)
+        after = self.freeze()
+        moved = {name: (version, after.get(name)) for name, version in before.items() if after.get(name) != version}
+        if moved:
+            raise BuildError(f"installing controlnet_aux moved packages of the venv: {moved}")
+        say(f"  added: {', '.join(f'{n} {v}' for n, v in sorted(after.items()) if n not in before)}")
+        if not self.succeeds("-c", "import cv2, controlnet_aux"):
+            self.py("-c", "import cv2, controlnet_aux")  # again, for its error
+            raise BuildError("controlnet_aux does not import")
+
+    # --- 10. a random ControlNet for the full-size SD 1.5 checkpoint ---------------------------------------
+    def controlnet_model(self) -> None:
+        out = self.webui / "models" / "ControlNet" / CONTROLNET_MODEL
+        if out.is_file():
+            return
+        checkpoint = self.webui / "models" / "Stable-diffusion" / next(iter(CHECKPOINTS))
+        say(f"models/ControlNet/{CONTROLNET_MODEL}: random ControlNet from {checkpoint.name}'s UNet (fp16)")
+        # LDM's classes print a line per layer they build; the recipe's own report is its last line (the whole
+        # output comes with the error when it fails)
+        report = self.py(Path(__file__).resolve().parents[1] / CONTROLNET_RECIPE, self.webui, self.controlnet,
+                         checkpoint, out, capture=True, cwd=self.webui, PYTHONWARNINGS="ignore")
+        say("  " + next((line for line in reversed(report.splitlines()) if line.startswith("ControlNet (seed")), ""))
+
+    # --- 11. the WebUI's own preparation, offline -----------------------------------------------------
     def offline_start_check(self) -> None:
         """``launch.py --exit`` runs the WebUI's prepare_environment() (repositories, requirements, clip,
         open_clip, torch) and exits. pip and git cannot reach any network here, so anything it would
@@ -436,6 +531,9 @@ class TestBed:
         self.webui_requirements()
         self.hf_cache()
         self.checkpoints()
+        self.controlnet_source()
+        self.controlnet_aux()
+        self.controlnet_model()
         self.offline_start_check()
 
 
@@ -448,6 +546,19 @@ def check_webui_version(folder: Path) -> None:
     head = git_head(folder)
     if head is not None and head != WEBUI_COMMIT:
         raise BuildError(f"{folder} is a git checkout at {head}, not v{WEBUI_VERSION} ({WEBUI_COMMIT})")
+
+
+def check_controlnet_version(folder: Path) -> None:
+    version_file = folder / "scripts" / "controlnet_version.py"
+    text = version_file.read_text(encoding="utf-8") if version_file.is_file() else ""
+    found = re.search(r"version_flag = '([^']+)'", text)
+    version = found.group(1) if found else "unknown"
+    if version != CONTROLNET_VERSION:
+        raise BuildError(f"{folder} is sd-webui-controlnet {version} (its scripts/controlnet_version.py), "
+                         f"not {CONTROLNET_VERSION} (remove it to unpack or fetch {CONTROLNET_COMMIT[:8]})")
+    head = git_head(folder)
+    if head is not None and head != CONTROLNET_COMMIT:
+        raise BuildError(f"{folder} is a git checkout at {head}, not {CONTROLNET_COMMIT}")
 
 
 def pinned_repositories(launch_utils: Path) -> list[Pin]:
@@ -617,6 +728,15 @@ def worker_versions(*names: str) -> None:
     sys.stdout.write(json.dumps({name: version(name) for name in names}) + "\n")
 
 
+def worker_freeze() -> None:
+    """Prints {normalized distribution name: version} of every installed distribution as JSON (stdlib only)."""
+    import importlib.metadata
+
+    found = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version
+             for d in importlib.metadata.distributions() if d.metadata["Name"]}
+    sys.stdout.write(json.dumps(found, sort_keys=True) + "\n")
+
+
 def worker_torchvision_loads() -> None:
     import importlib.util
 
@@ -711,6 +831,7 @@ def worker_checkpoint(out: str, seed: str) -> None:
 
 WORKERS = {
     "versions": worker_versions,
+    "freeze": worker_freeze,
     "torchvision-loads": worker_torchvision_loads,
     "torchvision-works": worker_torchvision_works,
     "hf-files": worker_hf_files,

@@ -107,12 +107,18 @@ class WebUI:
         self.log_path: Path | None = None
         self.checkpoint = CHECKPOINT_A
         """The checkpoint the WebUI loads at start (``--ckpt``), a file in the data folder's models."""
+        self.extra_flags: list[str] = []
+        """Launch flags after :data:`LAUNCH_FLAGS` (``--skip-install`` when another extension's installer
+        would move pins)."""
+        self.start_seconds = 0.0
+        """How long the last :meth:`start` took, until the API answered."""
 
     # --- set-up ------------------------------------------------------------------------------------
-    def prepare(self, extra_extensions: list[Path]) -> None:
-        """Models made by LDM's own classes, the extension cloned into extensions/ as a user does."""
+    def prepare(self, extra_extensions: list[Path], tiny_models: bool = True) -> None:
+        """Models made by LDM's own classes (unless ``tiny_models`` is false), the extension cloned into
+        extensions/ as a user does, and ``extra_extensions`` copied there."""
         models = self.data_dir / "models"
-        if not (models / "Stable-diffusion" / CHECKPOINT_B).is_file():
+        if tiny_models and not (models / "Stable-diffusion" / CHECKPOINT_B).is_file():
             snapshot = next(
                 (self.testbed / "hf-home" / "hub").glob("models--openai--clip-vit-large-patch14/snapshots/*")
             )
@@ -147,6 +153,16 @@ class WebUI:
         for folder in extra_extensions:
             shutil.copytree(folder, extensions / folder.name, dirs_exist_ok=True)
 
+    def run_installer(self, extension: str = EXTENSION_NAME) -> str:
+        """Runs an extension's ``install.py`` as the WebUI does at start (its root on ``PYTHONPATH``), for a
+        WebUI started with ``--skip-install``; returns its output."""
+        env = dict(self.env(), PYTHONPATH=str(self.webui))
+        done = subprocess.run([str(self.python), str(self.data_dir / "extensions" / extension / "install.py")],
+                              cwd=self.webui, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{extension}/install.py exited with {done.returncode}:\n{done.stdout}{done.stderr}")
+        return done.stdout + done.stderr
+
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PYTEST"))}
         venv = self.testbed / "venv"
@@ -173,6 +189,7 @@ class WebUI:
             str(self.python),
             "launch.py",
             *LAUNCH_FLAGS,
+            *self.extra_flags,
             "--port",
             str(self.port),
             "--data-dir",
@@ -199,6 +216,7 @@ class WebUI:
                 raise RuntimeError(f"the WebUI exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/sdapi/v1/sd-models", timeout=10):
+                    self.start_seconds = time.time() - t0
                     break
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 if time.time() - t0 > timeout:

@@ -1,0 +1,135 @@
+"""sd-webui-controlnet in stock AUTOMATIC1111 v1.10.1: the test bed's random ControlNet is live.
+
+Comparing OpenVINO with stock A1111 under ControlNet means something only if stock's picture depends on the
+ControlNet. These checks run stock A1111 alone (no OpenVINO) in a WebUI with ControlNet (``webui_controlnet``,
+see ``controlnet.py``), on the bed's full-size random SD 1.5 checkpoint with the random ControlNet made by
+``make_controlnet.py`` (module "none", white shapes on black as the control image): a unit at weight 1 moves
+the picture far below the tier's 40 dB match, the same request gives the same picture again, weight 0.5 is
+another picture again, a unit turned off again gives stock's picture without ControlNet exactly (no stale
+control), and ControlNet's own X/Y/Z weight axis makes the cells the single requests make.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from .controlnet import (
+    CONTROLNET_AXES,
+    CONTROLNET_CHECKPOINT,
+    CONTROLNET_SCRIPT,
+    controlnet_model_name,
+    controlnet_unit,
+    controlnet_xyz_args,
+    with_controlnet,
+)
+from .test_real_webui import MIN_PSNR, min_psnr, request
+from .test_real_webui_section import fresh
+from .webui import SCRIPT_NAME, Result, WebUI, psnr
+
+#: A unit at weight 1 must move stock's picture below this (the tier matches pictures at ``MIN_PSNR``).
+MOVED_BELOW = 30.0
+#: The request of every check (64x64, 3 steps, a fixed seed).
+PAYLOAD = request("a lighthouse on a cliff")
+
+
+class Stock:
+    """Stock pictures of :data:`PAYLOAD` without ControlNet (weight None) and with one unit at a weight, each
+    made once for the module."""
+
+    def __init__(self, ui: WebUI, model: str) -> None:
+        self.ui, self.model = ui, model
+        self.made: dict[float | None, Result] = {}
+
+    def __call__(self, weight: float | None) -> Result:
+        if weight not in self.made:
+            unit = None if weight is None else controlnet_unit(self.model, weight=weight)
+            payload = PAYLOAD if unit is None else with_controlnet(PAYLOAD, unit)
+            self.made[weight] = self.ui.generate(fresh(payload))
+        return self.made[weight]
+
+
+@pytest.fixture(scope="module")
+def model(webui_controlnet: WebUI) -> Iterator[str]:
+    """The random ControlNet's name, with the SD 1.5 checkpoint loaded (selected through the options, as the
+    dropdown does; the WebUI started on it) and put back afterwards."""
+    ui = webui_controlnet
+    before = ui.get("/sdapi/v1/options")["sd_model_checkpoint"]
+    ui.call("/sdapi/v1/options", {"sd_model_checkpoint": CONTROLNET_CHECKPOINT})
+    try:
+        yield controlnet_model_name(ui)
+    finally:
+        ui.call("/sdapi/v1/options", {"sd_model_checkpoint": before})
+
+
+@pytest.fixture(scope="module")
+def stock(webui_controlnet: WebUI, model: str) -> Stock:
+    return Stock(webui_controlnet, model)
+
+
+def test_controlnet_is_loaded_with_the_random_model_and_its_axes(webui_controlnet: WebUI, model: str) -> None:
+    ui = webui_controlnet
+    log = ui.log_text()
+    assert "Error loading script" not in log and "Traceback" not in log, ui.log_tail()
+    assert "OpenVINO acceleration is unavailable" not in log
+    info = ui.get("/sdapi/v1/script-info")
+    controlnet = next(s for s in info if s["name"] == CONTROLNET_SCRIPT.lower() and not s["is_img2img"])
+    assert controlnet["is_alwayson"], controlnet
+    assert SCRIPT_NAME in ui.get("/sdapi/v1/scripts")["txt2img"]  # this project beside it
+    assert model.startswith("ovtest-controlnet-sd15 ["), model
+    xyz = next(s for s in info if s["name"] == "x/y/z plot" and not s["is_img2img"])
+    axes = next(a for a in xyz["args"] if a["label"] == "X type")["choices"]
+    assert set(CONTROLNET_AXES.values()) <= set(axes), [a for a in axes if "ControlNet" in a]
+
+
+def test_a_unit_moves_the_picture_and_gives_it_again(webui_controlnet: WebUI, stock: Stock) -> None:
+    ui = webui_controlnet
+    none, first = stock(None), stock(1.0)
+    again = ui.generate(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model))))
+    assert 'ControlNet 0: "Module: none, Model: ovtest-controlnet-sd15' in first.infotexts[0], first.infotexts[0]
+    moved = min_psnr(none, first)
+    ui.record(f"stock: ControlNet at weight 1 vs without (WebUI start {ui.start_seconds:.0f} s; a generation "
+              f"{none.seconds:.1f} s without, {first.seconds:.1f} s and {again.seconds:.1f} s with)", moved)
+    assert moved < MOVED_BELOW
+    assert np.std(first.images[0]) > 5  # a picture, not a flat (or NaN-black) field
+    assert min_psnr(first, again) == math.inf  # deterministic
+
+
+def test_weight_half_is_a_picture_of_its_own(webui_controlnet: WebUI, stock: Stock) -> None:
+    ui = webui_controlnet
+    none, half, full = stock(None), stock(0.5), stock(1.0)
+    half_full, half_none = min_psnr(half, full), min_psnr(half, none)
+    ui.record("stock: ControlNet at weight 0.5 vs 1", half_full)
+    ui.record("stock: ControlNet at weight 0.5 vs without", half_none)
+    assert half_full < MIN_PSNR and half_none < MIN_PSNR
+    assert half_none > min_psnr(full, none)  # half the control moves the picture less
+
+
+def test_a_unit_turned_off_again_leaves_no_stale_control(webui_controlnet: WebUI, stock: Stock) -> None:
+    ui = webui_controlnet
+    controlled = ui.generate(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model))))
+    disabled = ui.generate(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model, enabled=False))))
+    without = ui.generate(fresh(PAYLOAD))
+    assert min_psnr(controlled, stock(None)) < MOVED_BELOW  # the control was there just before
+    assert min_psnr(disabled, stock(None)) == math.inf
+    assert min_psnr(without, stock(None)) == math.inf
+    assert "ControlNet" not in disabled.infotexts[0], disabled.infotexts[0]
+
+
+def test_controlnet_weight_axis_of_the_xyz_plot(webui_controlnet: WebUI, stock: Stock) -> None:
+    """ControlNet's ``[ControlNet] Weight`` axis over a unit of the request (at another weight): one cell per
+    weight, each the picture of that weight's single request."""
+    ui = webui_controlnet
+    xyz = dict(PAYLOAD, script_name="x/y/z plot", script_args=controlnet_xyz_args(ui, "weight", ["0.5", "1"]))
+    grid = ui.generate(fresh(with_controlnet(xyz, controlnet_unit(stock.model, weight=0.2))))
+    assert len(grid.images) == 1 + 2, len(grid.images)  # the grid and each cell
+    half, full = grid.images[1], grid.images[2]
+    ui.record(f"stock: X/Y/Z over [ControlNet] Weight, cell 0.5 vs cell 1 (the job {grid.seconds:.1f} s)",
+              psnr(half, full))
+    assert psnr(half, full) < MIN_PSNR
+    assert psnr(half, stock(0.5).images[0]) == math.inf
+    assert psnr(full, stock(1.0).images[0]) == math.inf
+    assert "ControlNet 0:" in grid.infotexts[1] and "Weight: 0.5" in grid.infotexts[1], grid.infotexts[1]
