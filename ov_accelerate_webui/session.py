@@ -253,7 +253,7 @@ class RoutingSession:
             self._on_unsupported(name, str(exc))
             return
         fresh = [r for r in run.routes if (id(r.module), r.method) not in self._routed]
-        self._route(run)
+        self._route(run, model)
         if note_new:
             self.events.append(f"{name}: switched to a new model object, routed")
         elif fresh:
