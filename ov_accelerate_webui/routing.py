@@ -31,9 +31,16 @@ def mark_ours(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def foreign(module: nn.Module, method: str = "forward") -> Any | None:
-    """The instance-level ``method`` another extension set on ``module`` (None: none, or ours)."""
+    """The instance-level ``method`` another extension set on ``module`` (None: none, ours, or the class's own
+    method bound to the module, which is what an extension leaves when it puts back what it found, e.g.
+    ControlNet's ``UnetHook.restore``)."""
     value = module.__dict__.get(method)
-    return None if value is None or getattr(value, OURS, False) else value
+    if value is None or getattr(value, OURS, False):
+        return None
+    if getattr(value, "__self__", None) is module and getattr(value, "__func__", None) is getattr(
+            type(module), method, None):
+        return None
+    return value
 
 
 def describe(function: Any) -> str:

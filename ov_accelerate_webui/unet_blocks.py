@@ -20,7 +20,7 @@ import logging
 from torch import nn
 
 from .model_parts import Target, token_merging
-from .routing import OURS, describe
+from .routing import describe, foreign
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +56,9 @@ def _replaced_methods(module: nn.Module) -> list[str]:
     bound to it, which is what some extensions put back)."""
     found = []
     for name, value in vars(module).items():
-        if not callable(value) or isinstance(value, nn.Module) or getattr(value, OURS, False):
-            continue
-        original = getattr(type(module), name, None)
-        if not callable(original):
-            continue
-        if getattr(value, "__func__", None) is original and getattr(value, "__self__", None) is module:
-            continue
-        found.append(f"{type(module).__name__}.{name} by {describe(value)}")
+        if callable(value) and not isinstance(value, nn.Module) and callable(getattr(type(module), name, None)) \
+                and foreign(module, name) is not None:
+            found.append(f"{type(module).__name__}.{name} by {describe(value)}")
     return found
 
 

@@ -26,10 +26,12 @@ from .controlnet import (
     controlnet_xyz_args,
     with_controlnet,
 )
-from .test_real_webui import MIN_PSNR, min_psnr, request
+from .test_real_webui import MIN_PSNR, accelerated, assert_ran_in_openvino, min_psnr, request
 from .test_real_webui_section import fresh
 from .webui import SCRIPT_NAME, Result, WebUI, psnr
 
+#: The label of ControlNet's networks in the status route's calls.
+CONTROL_ROUTE = "controlnet.control_model"
 #: A unit at weight 1 must move stock's picture below this (the tier matches pictures at ``MIN_PSNR``).
 MOVED_BELOW = 30.0
 #: The request of every check (64x64, 3 steps, a fixed seed).
@@ -133,3 +135,38 @@ def test_controlnet_weight_axis_of_the_xyz_plot(webui_controlnet: WebUI, stock: 
     assert psnr(half, stock(0.5).images[0]) == math.inf
     assert psnr(full, stock(1.0).images[0]) == math.inf
     assert "ControlNet 0:" in grid.infotexts[1] and "Weight: 0.5" in grid.infotexts[1], grid.infotexts[1]
+
+
+# ---------------------------------------------------------------- through OpenVINO
+
+
+def assert_controlnet_in_openvino(status: dict, steps: int, control_calls: int) -> None:
+    """The whole job in OpenVINO: the UNet block by block under ControlNet's forward (one call per step), the
+    ControlNet network, the VAE and the text encoder, nothing in PyTorch."""
+    assert_ran_in_openvino(status)
+    assert not status["pytorch"], status["pytorch"]
+    assert status["calls"]["model.diffusion_model"] == steps, status["calls"]
+    assert status["calls"].get(CONTROL_ROUTE, 0) == control_calls, status["calls"]
+    assert "blocks ran in OpenVINO one by one" in status["status"], status["status"]
+    assert "(extension sd-webui-controlnet)" in status["status"], status["status"]
+
+
+def test_accelerated_with_controlnet_matches_stock_and_a_new_weight_compiles_nothing(
+        webui_controlnet: WebUI, stock: Stock) -> None:
+    ui = webui_controlnet
+    fast = ui.generate(accelerated(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model)))))
+    status = ui.status()
+    assert_controlnet_in_openvino(status, PAYLOAD["steps"], PAYLOAD["steps"])
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, f32"' in fast.infotexts[0] and "in PyTorch" not in fast.infotexts[0]
+    assert 'ControlNet 0: "Module: none' in fast.infotexts[0]
+    value = min_psnr(stock(1.0), fast)
+    ui.record(f"ControlNet at weight 1, accelerated vs stock (first: {status['compiles']} compiles, "
+              f"{fast.seconds:.1f} s)", value)
+    assert value >= MIN_PSNR
+    half = ui.generate(accelerated(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model, weight=0.5)))))
+    status = ui.status()
+    assert_controlnet_in_openvino(status, PAYLOAD["steps"], PAYLOAD["steps"])
+    assert status["compiles"] == 0 and status.get("convert_seconds", 0) == 0, status["status"]
+    value = min_psnr(stock(0.5), half)
+    ui.record(f"ControlNet at weight 0.5, accelerated vs stock ({half.seconds:.1f} s)", value)
+    assert value >= MIN_PSNR
