@@ -16,18 +16,20 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from .controlnet import (
     CONTROLNET_AXES,
     CONTROLNET_CHECKPOINT,
     CONTROLNET_SCRIPT,
+    control_image,
     controlnet_model_name,
     controlnet_unit,
     controlnet_xyz_args,
     with_controlnet,
 )
 from .test_real_webui import MIN_PSNR, accelerated, assert_ran_in_openvino, min_psnr, request
-from .test_real_webui_section import fresh
+from .test_real_webui_section import fresh, with_section
 from .webui import SCRIPT_NAME, Result, WebUI, psnr
 
 #: The label of ControlNet's networks in the status route's calls.
@@ -170,3 +172,80 @@ def test_accelerated_with_controlnet_matches_stock_and_a_new_weight_compiles_not
     value = min_psnr(stock(0.5), half)
     ui.record(f"ControlNet at weight 0.5, accelerated vs stock ({half.seconds:.1f} s)", value)
     assert value >= MIN_PSNR
+
+
+def test_a_new_control_image_guidance_range_mode_or_second_unit_compiles_nothing(
+        webui_controlnet: WebUI, stock: Stock) -> None:
+    ui = webui_controlnet
+    steps = PAYLOAD["steps"]
+    ui.generate(accelerated(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model)))))  # (warm: the test above)
+    other_image = control_image().transpose(Image.Transpose.ROTATE_90)
+    changes = {
+        "a new control image": ([controlnet_unit(stock.model, other_image)], steps),
+        # ControlNet skips its network on steps past the range's end (sampling step / steps > 0.5: the last)
+        "guidance end 0.5": ([controlnet_unit(stock.model, guidance_end=0.5)], steps - 1),
+        "ControlNet is more important": ([controlnet_unit(stock.model, control_mode="ControlNet is more important")],
+                                         steps),
+        "a second unit": ([controlnet_unit(stock.model), controlnet_unit(stock.model, other_image, weight=0.5)],
+                          2 * steps),
+    }
+    for what, (units, control_calls) in changes.items():
+        fast = ui.generate(accelerated(fresh(with_controlnet(PAYLOAD, *units))))
+        status = ui.status()
+        assert_controlnet_in_openvino(status, steps, control_calls)
+        assert status["compiles"] == 0 and status.get("convert_seconds", 0) == 0, (what, status["status"])
+        if what == "a second unit":
+            value = min_psnr(ui.generate(fresh(with_controlnet(PAYLOAD, *units))), fast)
+            ui.record("ControlNet, two units, accelerated vs stock", value)
+            assert value >= MIN_PSNR
+
+
+def test_a_unit_turned_off_again_runs_the_whole_unet_with_no_stale_control(webui_controlnet: WebUI,
+                                                                          stock: Stock) -> None:
+    ui = webui_controlnet
+    ui.generate(accelerated(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model)))))
+    off = ui.generate(accelerated(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model, enabled=False)))))
+    status = ui.status()
+    assert_ran_in_openvino(status)
+    assert CONTROL_ROUTE not in status["calls"] and "one by one" not in status["status"], status["status"]
+    assert status["calls"]["model.diffusion_model"] == PAYLOAD["steps"]
+    value = min_psnr(stock(None), off)
+    ui.record("ControlNet unit off again, accelerated vs stock without ControlNet", value)
+    assert value >= MIN_PSNR
+
+
+def test_controlnet_weight_axis_with_the_section(webui_controlnet: WebUI, stock: Stock) -> None:
+    """ControlNet's own X/Y/Z axis, with the always-on section enabled: each cell through OpenVINO, as stock's."""
+    ui = webui_controlnet
+    xyz = dict(PAYLOAD, script_name="x/y/z plot", script_args=controlnet_xyz_args(ui, "weight", ["0.5", "1"]))
+    grid = ui.generate(with_section(fresh(with_controlnet(xyz, controlnet_unit(stock.model, weight=0.2)))))
+    status = ui.status()
+    assert status["generations"] == 2 and status["plain_generations"] == 0, status["status"]
+    assert status["calls"]["model.diffusion_model"] == 2 * PAYLOAD["steps"], status["calls"]
+    assert status["calls"][CONTROL_ROUTE] == 2 * PAYLOAD["steps"] and not status["pytorch"], status["status"]
+    assert len(grid.images) == 1 + 2, len(grid.images)
+    cells = min(psnr(grid.images[1], stock(0.5).images[0]), psnr(grid.images[2], stock(1.0).images[0]))
+    ui.record("X/Y/Z over [ControlNet] Weight with the section, cells vs stock", cells)
+    assert cells >= MIN_PSNR
+
+
+def test_reference_only_runs_the_unet_in_pytorch_and_says_why(webui_controlnet: WebUI, stock: Stock) -> None:
+    """Reference-only has no network: it writes attention banks from a reference pass of the UNet's original
+    forward, by replacing its transformer blocks' forwards. The UNet then runs ControlNet's way, in PyTorch."""
+    ui = webui_controlnet
+    unit = controlnet_unit("None", module="reference_only")
+    reference = ui.generate(fresh(with_controlnet(PAYLOAD, unit)))
+    fast = ui.generate(accelerated(fresh(with_controlnet(PAYLOAD, unit))))
+    status = ui.status()
+    assert_ran_in_openvino(status, ("VAE", "TE"))
+    assert status["calls"]["model.diffusion_model"] == 0, status["calls"]
+    unet = status["pytorch"]["model.diffusion_model"]["why"]
+    assert "blocks cannot run in OpenVINO one by one" in unet and "hacked_basic_transformer_inner_forward" in unet, \
+        unet
+    kind = status["pytorch"]["ControlNet unit 1 (AttentionInjection)"]["why"]
+    assert "type AttentionInjection" in kind, kind
+    assert "UNet in PyTorch" in fast.infotexts[0] and "ControlNet unit 1 in PyTorch" in fast.infotexts[0]
+    value = min_psnr(reference, fast)
+    ui.record("ControlNet reference-only (UNet in PyTorch), accelerated vs stock", value)
+    assert value >= MIN_PSNR
+    assert min_psnr(reference, stock(None)) < MIN_PSNR  # the reference moved stock's picture
