@@ -46,6 +46,10 @@ BYPASSED = ("sampling steps ran but none called the routed forward, and nothing 
 BLOCKS_UNCACHED = "another extension's forward ran its blocks one by one, which step caching does not split"
 
 
+def _is_unet_forward(entry: Any, route: Any) -> bool:
+    return entry.part == "unet" and route.method == "forward"
+
+
 def model_name(model: Any) -> str:
     """The checkpoint's short name (A1111 ``name_for_extra``), e.g. "sd_xl_refiner_1.0"."""
     info = getattr(model, "sd_checkpoint_info", None)
@@ -131,10 +135,11 @@ class RoutingSession:
             # another extension replaced the method before us (its process() ran first): routing over it would
             # drop its work from the picture, so the part runs its way (its blocks in OpenVINO when they can)
             why = f"another extension replaced its {route.method} before this generation: {describe(other)}"
-            blocked = self._route_blocks(run, model, route, entry, other)
-            if not blocked:
-                continue
-            why += f"; its blocks cannot run in OpenVINO one by one: {blocked}" if blocked is not True else ""
+            if _is_unet_forward(entry, route):
+                blocked = self._route_blocks(run, model, route, entry, other)
+                if not blocked:
+                    continue
+                why += f"; its blocks cannot run in OpenVINO one by one: {blocked}"
             self._foreign[(id(route.module), route.method)] = [why, _reached(entry), 0, True]
             logger.warning("Accelerate with OpenVINO: %s (%s) runs in PyTorch: %s", PART_NAMES[entry.part],
                            entry.label, why)
@@ -142,14 +147,12 @@ class RoutingSession:
         self._stack.enter_context(routed(tuple(taken)))
         self._routed.update((id(r.module), r.method) for r, _e in new)
 
-    def _route_blocks(self, run: PreparedRun, model: Any, route: Any, entry: Any, other: Any) -> str | bool:
-        """Route the blocks of the UNet ``route`` whose method ``other`` replaced: "" when they are routed (or
-        were), else why not (True: not a UNet)."""
+    def _route_blocks(self, run: PreparedRun, model: Any, route: Any, entry: Any, other: Any) -> str:
+        """Route the blocks of the UNet ``route`` whose forward ``other`` replaced: "" when they are routed (or
+        were), else why not."""
         key = (id(route.module), route.method)
         if key in self._blocks:
             return ""
-        if entry.part != "unet" or route.method != "forward":
-            return True
         blocked = blocks_blocked(route.module)
         if blocked:
             return blocked
@@ -209,12 +212,12 @@ class RoutingSession:
                     seen = self._foreign.get(key)
                     if seen is None:
                         other = foreign(route.module, route.method)
-                        blocked = self._route_blocks(run, model_ref(), route, entry, other) if other is not None \
-                            else True
-                        if other is not None and blocked:
+                        blocked = self._route_blocks(run, model_ref(), route, entry, other) \
+                            if other is not None and _is_unet_forward(entry, route) else None
+                        if other is not None and blocked != "":
                             why = (f"its {route.method} was replaced during the generation by {describe(other)}, "
                                    "which does not call the accelerated one")
-                            if blocked is not True:
+                            if blocked:
                                 why += f"; its blocks cannot run in OpenVINO one by one: {blocked}"
                             self._foreign[key] = [why, _reached(entry), 1, False]
                         elif other is None and entry.part == "unet" and loaded:
