@@ -83,6 +83,13 @@ class CompiledRoute:
     """Depth -> the step caching methods of the route's UNet (made on the first call with step caching)."""
     step_cache_off: str = ""
     """Why step caching cannot split this route's module (it then runs every call full)."""
+    held: str = ""
+    """Why every call runs on the module's own method in PyTorch for now (set and cleared by the generation
+    that found the reason, e.g. another extension's code inside the module that a compiled graph would not
+    follow)."""
+    through_blocks: bool = False
+    """The module's blocks are routed one by one for now (set and cleared by the generation): a call runs the
+    module's own method, whose blocks run in OpenVINO, and is counted by them."""
 
     @property
     def source(self) -> Callable[..., Any]:
@@ -217,8 +224,10 @@ def make_forward(
         return result
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        module = entry.module_ref() if bypass is not None else None
-        why = bypass(module) if module is not None else ""
+        if entry.through_blocks:
+            return entry.source(*args, **kwargs)
+        module = entry.module_ref() if bypass is not None and not entry.held else None
+        why = entry.held or (bypass(module) if module is not None else "")
         if why:
             with lock:
                 entry.pytorch_calls += 1

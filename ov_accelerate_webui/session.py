@@ -27,7 +27,7 @@ from .controlnet import ControlUnit, control_targets
 from .finite_guard import F32Switch
 from .model_parts import Target, UnsupportedModel, checkpoint_key
 from .routing import describe, foreign, routed
-from .unet_blocks import block_targets, blocks_blocked
+from .unet_blocks import block_targets, blocks_blocked, patched_inside
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class RoutingSession:
         self._control_runs: set[int] = set()
         self.notes: list[str] = []
         """What the status says besides the calls (e.g. a UNet that ran block by block)."""
+        #: routes whose calls run otherwise until the generation ends (``held``, ``through_blocks``)
+        self._held: list[Any] = []
 
     def __enter__(self) -> RoutingSession:
         self._stack.__enter__()
@@ -122,6 +124,8 @@ class RoutingSession:
             try:
                 self._stack.__exit__(*exc)
             finally:
+                for entry in self._held:
+                    entry.held, entry.through_blocks = "", False
                 self.accelerator.keep_only([*self.runs, *self._block_runs])
 
     def _route(self, run: PreparedRun, model: Any) -> None:
@@ -154,11 +158,20 @@ class RoutingSession:
         if key in self._blocks:
             return ""
         blocked = blocks_blocked(route.module)
+        inside = patched_inside(route.module)
+        if inside:
+            # the replacing forward may still call ours (ControlNet's reference-only does, for its reference
+            # pass): a compiled graph would not follow the code inside the blocks, so such calls run in PyTorch
+            entry.held = f"another extension replaced methods inside it ({inside}), which a compiled graph would " \
+                         "not follow"
+            self._held.append(entry)
         if blocked:
             return blocked
         targets = block_targets(Target(entry.part, entry.label, route.module))
         blocks = self.accelerator.routes_for(run, model, targets)
         self._stack.enter_context(routed(blocks.routes))
+        entry.through_blocks = True  # (a call of the replacing forward's own, e.g. a wrapper: blocks in OpenVINO)
+        self._held.append(entry)
         self._blocks[key] = (blocks, describe(other), entry)
         self._block_runs.append(blocks)
         released = entry.release()  # the whole UNet's compiled model is not called while its blocks are

@@ -62,6 +62,13 @@ def _replaced_methods(module: nn.Module) -> list[str]:
     return found
 
 
+def patched_inside(unet: nn.Module) -> str:
+    """Which methods of the UNet's submodules another extension replaced ("" when none did)."""
+    replaced = [what for name, child in unet.named_modules() if name for what in _replaced_methods(child)]
+    more = f" and {len(replaced) - 2} more" if len(replaced) > 2 else ""
+    return f"{'; '.join(replaced[:2])}{more}" if replaced else ""
+
+
 def blocks_blocked(unet: nn.Module) -> str:
     """Why the UNet's blocks cannot be routed one by one now ("" when they can)."""
     if not block_targets(Target("unet", "", unet)):
@@ -69,9 +76,6 @@ def blocks_blocked(unet: nn.Module) -> str:
     merging = token_merging(unet)
     if merging:
         return merging
-    replaced = [what for name, child in unet.named_modules() if name for what in _replaced_methods(child)]
-    if replaced:
-        more = f" and {len(replaced) - 2} more" if len(replaced) > 2 else ""
-        return (f"methods inside its blocks were replaced too ({'; '.join(replaced[:2])}{more}), which a compiled "
-                "block would not follow")
-    return ""
+    inside = patched_inside(unet)
+    return f"methods inside its blocks were replaced too ({inside}), which a compiled block would not follow" \
+        if inside else ""
