@@ -16,6 +16,7 @@ norms, Token merging), and then the UNet runs the other extension's way, in PyTo
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from torch import nn
 
@@ -64,9 +65,8 @@ def _replaced_methods(module: nn.Module) -> list[str]:
 
 def patched_inside(unet: nn.Module) -> str:
     """Which methods of the UNet's submodules another extension replaced ("" when none did)."""
-    replaced = [what for name, child in unet.named_modules() if name for what in _replaced_methods(child)]
-    more = f" and {len(replaced) - 2} more" if len(replaced) > 2 else ""
-    return f"{'; '.join(replaced[:2])}{more}" if replaced else ""
+    replaced = Counter(what for name, child in unet.named_modules() if name for what in _replaced_methods(child))
+    return "; ".join(f"{what}{f' (on {n} modules)' if n > 1 else ''}" for what, n in replaced.items())
 
 
 def blocks_blocked(unet: nn.Module) -> str:

@@ -225,8 +225,10 @@ def test_controlnet_weight_axis_with_the_section(webui_controlnet: WebUI, stock:
     assert status["calls"]["model.diffusion_model"] == 2 * PAYLOAD["steps"], status["calls"]
     assert status["calls"][CONTROL_ROUTE] == 2 * PAYLOAD["steps"] and not status["pytorch"], status["status"]
     assert len(grid.images) == 1 + 2, len(grid.images)
-    cells = min(psnr(grid.images[1], stock(0.5).images[0]), psnr(grid.images[2], stock(1.0).images[0]))
-    ui.record("X/Y/Z over [ControlNet] Weight with the section, cells vs stock", cells)
+    half, full = psnr(grid.images[1], stock(0.5).images[0]), psnr(grid.images[2], stock(1.0).images[0])
+    cells = min(half, full)
+    ui.record(f"X/Y/Z over [ControlNet] Weight with the section, cells vs stock (0.5: {half:.1f} dB, 1: {full:.1f} dB)",
+              cells)
     assert cells >= MIN_PSNR
 
 
@@ -241,8 +243,8 @@ def test_reference_only_runs_the_unet_in_pytorch_and_says_why(webui_controlnet: 
     assert_ran_in_openvino(status, ("VAE", "TE"))
     assert status["calls"]["model.diffusion_model"] == 0, status["calls"]
     unet = status["pytorch"]["model.diffusion_model"]["why"]
-    assert "blocks cannot run in OpenVINO one by one" in unet and "hacked_basic_transformer_inner_forward" in unet, \
-        unet
+    # (its reference pass calls our route, which then runs in PyTorch: a compiled graph would not follow the banks)
+    assert "replaced methods inside it" in unet and "hacked_basic_transformer_inner_forward" in unet, unet
     kind = status["pytorch"]["ControlNet unit 1 (AttentionInjection)"]["why"]
     assert "type AttentionInjection" in kind, kind
     assert "UNet in PyTorch" in fast.infotexts[0] and "ControlNet unit 1 in PyTorch" in fast.infotexts[0]
