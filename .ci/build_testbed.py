@@ -148,6 +148,14 @@ def git_head(folder: Path) -> str | None:
         return None
 
 
+def extract_all(archive: tarfile.TarFile, dest: Path) -> None:
+    """Unpack ``archive`` into ``dest`` with tarfile's "data" filter where this Python has it."""
+    if hasattr(tarfile, "data_filter"):
+        archive.extractall(dest, filter="data")
+    else:  # Python < 3.11.4
+        archive.extractall(dest)
+
+
 def reachable(url: str) -> bool:
     try:
         git("ls-remote", "--exit-code", url, "HEAD", timeout=120)
@@ -259,10 +267,7 @@ class TestBed:
                 say(f"WebUI source: unpacking {path}")
                 staging.mkdir()
                 with tarfile.open(path) as archive:
-                    if hasattr(tarfile, "data_filter"):
-                        archive.extractall(staging, filter="data")
-                    else:  # Python < 3.11.4
-                        archive.extractall(staging)
+                    extract_all(archive, staging)
             else:
                 raise BuildError(f"A1111_SRC={source}: no such file or folder")
         else:
@@ -448,10 +453,7 @@ class TestBed:
                     commit = archive.pax_headers.get("comment", "")  # git archive records its commit there
                     if commit and commit != CONTROLNET_COMMIT:
                         raise BuildError(f"CONTROLNET_SRC={source} is commit {commit}, not {CONTROLNET_COMMIT}")
-                    if hasattr(tarfile, "data_filter"):
-                        archive.extractall(staging, filter="data")
-                    else:  # Python < 3.11.4
-                        archive.extractall(staging)
+                    extract_all(archive, staging)
             else:
                 raise BuildError(f"CONTROLNET_SRC={source}: no such file or folder")
         else:
