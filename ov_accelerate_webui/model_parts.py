@@ -97,7 +97,7 @@ class Target:
     """Tensor rank -> dimensions that change between generations; None: the UNet/VAE default."""
     own_code: bool = False
     """Compile a copy of the method with its own code object (one of many modules of a class compiled apart,
-    e.g. a UNet's blocks: ``ov_backend.compiled_method.with_own_code``)."""
+    e.g. a UNet's blocks: ``ov_backend.CompiledMethod``'s ``own_code``)."""
 
     @property
     def label(self) -> str:
