@@ -5,8 +5,9 @@ ControlNet. These checks run stock A1111 alone (no OpenVINO) in a WebUI with Con
 see ``controlnet.py``), on the bed's full-size random SD 1.5 checkpoint with the random ControlNet made by
 ``make_controlnet.py`` (module "none", white shapes on black as the control image): a unit at weight 1 moves
 the picture far below the tier's 40 dB match, the same request gives the same picture again, weight 0.5 is
-another picture again, a unit turned off again gives stock's picture without ControlNet exactly (no stale
-control), and ControlNet's own X/Y/Z weight axis makes the cells the single requests make.
+another picture again, and ControlNet's own X/Y/Z weight axis makes the cells the single requests make. Then
+the same through OpenVINO (a unit turned off again, through OpenVINO, against stock without ControlNet: no
+stale control).
 """
 
 from __future__ import annotations
@@ -110,17 +111,6 @@ def test_weight_half_is_a_picture_of_its_own(webui_controlnet: WebUI, stock: Sto
     ui.record("stock: ControlNet at weight 0.5 vs without", half_none)
     assert half_full < MIN_PSNR and half_none < MIN_PSNR
     assert half_none > min_psnr(full, none)  # half the control moves the picture less
-
-
-def test_a_unit_turned_off_again_leaves_no_stale_control(webui_controlnet: WebUI, stock: Stock) -> None:
-    ui = webui_controlnet
-    controlled = ui.generate(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model))))
-    disabled = ui.generate(fresh(with_controlnet(PAYLOAD, controlnet_unit(stock.model, enabled=False))))
-    without = ui.generate(fresh(PAYLOAD))
-    assert min_psnr(controlled, stock(None)) < MOVED_BELOW  # the control was there just before
-    assert min_psnr(disabled, stock(None)) == math.inf
-    assert min_psnr(without, stock(None)) == math.inf
-    assert "ControlNet" not in disabled.infotexts[0], disabled.infotexts[0]
 
 
 def test_controlnet_weight_axis_of_the_xyz_plot(webui_controlnet: WebUI, stock: Stock) -> None:
