@@ -22,155 +22,40 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from bench import webui_report
 from bench.webui_host import BenchWebUI, write_kohya_lora
+from bench.webui_rows import (
+    FULL_CHECKPOINTS,
+    FULL_LORA,
+    PRECISION_KEYS,
+    PROMPTS_SCRIPT,
+    RESTART,
+    ROWS,
+    SECTION_TITLE,
+    TINY_LORA,
+    Row,
+    WebUIBenchSettings,
+    build_settings,
+    parse_size,
+)
 from ov_backend.memory import system_memory
 from ov_backend.settings import PREVIOUS_WEIGHTS
-from tests.real_webui.webui import (
-    CHECKPOINT_A,
-    CHECKPOINT_B,
-    EXTENSION_NAME,
-    SCRIPT_NAME,
-    psnr,
-    testbed_ready,
-    testbed_root,
-)
+from tests.real_webui.webui import CHECKPOINT_A, CHECKPOINT_B, EXTENSION_NAME, SCRIPT_NAME, psnr
 
 logger = logging.getLogger(__name__)
 
-FULL_CHECKPOINTS = ("sd15-random.safetensors", "sd15-random-b.safetensors")
-FULL_LORA = "bench-lora-sd15"
-TINY_LORA = "ovtest-lora"  # written by tests/real_webui/make_models.py
-PRECISION_KEYS = ("auto", "f32", "int8")
+__all__ = ["RESTART", "ROWS", "Row", "WebUIBenchSettings", "build_settings", "main"]
 
 
-class Row(NamedTuple):
-    """One request of the scenario."""
-
-    key: str
-    label: str
-    size: int
-    """Index into the settings' sizes."""
-    batch: bool
-    """At the settings' batch size (else 1)."""
-    checkpoint: int
-    """0: the first checkpoint, 1: the second."""
-    lora: float | None
-    """The LoRA's weight in the prompt; None: no LoRA."""
-    long_prompt: bool = False
-    """A prompt of two 75-token chunks: A1111 runs the UNet at a batch of 1 for the prompt and for the
-    negative prompt apart (their conditionings differ in length)."""
-    prompts_job: int = 0
-    """A job of this many prompts through A1111's "Prompts from file or textbox" script (one
-    ``process_images`` call each), accelerated by the always-on section; 0: a plain request through the
-    dropdown entry."""
-
-
-ROWS: tuple[Row, ...] = (
-    Row("first", "first generation", 0, False, 0, None),
-    Row("again", "same size again", 0, False, 0, None),
-    Row("batch", "batch size {batch}", 0, True, 0, None),
-    Row("size2", "second size {size}", 1, False, 0, None),
-    Row("size3", "third size {size}", 2, False, 0, None),
-    Row("back", "back to {size}", 0, False, 0, None),
-    Row("long", "long prompt (UNet at batch 1)", 0, False, 0, None, long_prompt=True),
-    Row("switch", "checkpoint switch", 0, False, 1, None),
-    Row("switch_back", "switch back", 0, False, 0, None),
-    Row("lora", "LoRA added (weight 1)", 0, False, 0, 1.0),
-    Row("lora_change", "LoRA weight 1 -> 0.5", 0, False, 0, 0.5),
-    Row("prompts_file", "Prompts from file: a job of 4 prompts (section)", 0, False, 0, None, prompts_job=4),
-)
-#: The always-on section's title (its name in ``alwayson_scripts``).
-SECTION_TITLE = "OpenVINO"
-PROMPTS_SCRIPT = "prompts from file or textbox"
-RESTART = Row("restart", "first generation after a restart (warm cache)", 0, False, 0, None)
-
-
-@dataclass(frozen=True)
-class WebUIBenchSettings:
-    """What one run measures (defaults block = the field defaults)."""
-
-    tiny: bool = False
-    """The real-host tier's tiny models (minutes) instead of the full-size SD 1.5 checkpoints."""
-    precisions: tuple[str, ...] = ("auto",)
-    """Accelerated runs, in order: "auto" (what users run), "f32" and/or "int8" (the INT8 UNet: its first
-    generation, a checkpoint switch and each LoRA change calibrate and quantize)."""
-    steps: int = 4
-    """Sampling steps per request (Euler); at least 3 for a seconds-per-step reading."""
-    sizes: tuple[tuple[int, int], ...] = ((512, 512), (512, 384), (384, 512))
-    """(width, height): the first size, a second and a third."""
-    batch: int = 4
-    """The batch size of the "batch" row."""
-    rows: tuple[str, ...] = ()
-    """The requests to measure, by key (e.g. ``("first", "again")``; "restart" for the restart phase), in the
-    scenario's order, stock and each precision; empty: all of them."""
-    testbed: Path = Path()
-    """The test bed's root (``A1111_ROOT``)."""
-    out: Path = Path("bench/results")
-    """Folder of the JSON and markdown results."""
-    name: str = ""
-    """File name stem of the results; empty: ``webui-<date>`` (``webui-tiny-<date>`` with ``tiny``)."""
-    work_dir: Path | None = None
-    """The WebUI's data folder and logs; None: a temporary folder, removed at the end."""
-    min_available_gib: float = 18.0
-    """Refuse to start with less memory available (the accelerated WebUI reached 14-19 GB)."""
-    previous_weights: str = ""
-    """The extension's setting for the compiled models of the weights used before a change ("auto", "keep",
-    "release"), set before the accelerated requests; empty: the WebUI's (default "auto")."""
-
-
-TINY_SIZES = ((64, 64), (96, 64), (64, 96))
-
-
-def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
-    """Validated settings from a dict; unknown keys and bad values raise ``ValueError`` naming them."""
-    known = {f.name for f in dataclasses.fields(WebUIBenchSettings)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    values = {k: v for k, v in options.items() if v is not None}
-    if values.get("tiny"):
-        values.setdefault("sizes", TINY_SIZES)
-        values.setdefault("min_available_gib", 0.0)
-    # absolute: the WebUI runs in its own folder, where a path relative to here names nothing
-    values["testbed"] = Path(values.get("testbed") or testbed_root()).absolute()
-    config = WebUIBenchSettings(**values)
-    bad = [p for p in config.precisions if p not in PRECISION_KEYS]
-    if bad or not config.precisions:
-        raise ValueError(f"precisions must be among {', '.join(PRECISION_KEYS)}, got {bad or 'none'}")
-    if config.steps < 3:
-        raise ValueError(f"steps must be at least 3 (seconds per step are read from steps 3 on), got {config.steps}")
-    if len(config.sizes) != 3 or any(w % 8 or h % 8 or w <= 0 or h <= 0 for w, h in config.sizes):
-        raise ValueError(f"sizes: three WxH with multiples of 8, got {config.sizes}")
-    keys = [row.key for row in (*ROWS, RESTART)]
-    unknown_rows = [key for key in config.rows if key not in keys]
-    if unknown_rows:
-        raise ValueError(f"rows: unknown request(s) {', '.join(unknown_rows)}; known: {', '.join(keys)}")
-    if config.previous_weights and config.previous_weights not in PREVIOUS_WEIGHTS:
-        raise ValueError(f"previous_weights must be {' or '.join(PREVIOUS_WEIGHTS)}, got {config.previous_weights!r}")
-    if config.batch < 2:
-        raise ValueError(f"batch must be at least 2, got {config.batch}")
-    if not testbed_ready(Path(config.testbed)):
-        raise ValueError(f"no WebUI test bed in {config.testbed}: build it (bash .ci/testbed) or set A1111_ROOT")
-    return config
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    width, sep, height = text.lower().partition("x")
-    if not sep or not width.isdigit() or not height.isdigit():
-        raise argparse.ArgumentTypeError(f"a size is WIDTHxHEIGHT (e.g. 512x768), got {text!r}")
-    return int(width), int(height)
-
-
-def script_args(precision: str) -> list[Any]:
-    """``script_args`` of the extension's script: its defaults at the given precision, in ``ui()`` order."""
+def script_args(precision: str, step_cache: int = 1) -> list[Any]:
+    """``script_args`` of the extension's script: its defaults at the given precision and step caching interval,
+    in ``ui()`` order."""
     from ov_accelerate_webui.settings import DEFAULTS, FIELD_NAMES
 
-    chosen = dataclasses.replace(DEFAULTS, precision=precision)
+    chosen = dataclasses.replace(DEFAULTS, precision=precision, step_cache=step_cache)
     return [getattr(chosen, name) for name in FIELD_NAMES]
 
 
@@ -183,14 +68,14 @@ class Scenario:
         self.results: dict[str, Any] = {"rows": [], "phases": []}
         self.progress = progress
         self.current = 0
-        #: stock's first image per request, for the accelerated images' PSNR
-        self._stock_pictures: dict[str, Any] = {}
+        #: the first image per (mode, request), for the accelerated images' PSNR
+        self._pictures: dict[tuple[str, str], Any] = {}
 
     def payload(self, row: Row) -> dict[str, Any]:
         width, height = self.config.sizes[row.size]
         # a new prompt per request within a mode (so the text encoder runs), the same one for the same request in
-        # every mode (so each accelerated image can be compared with stock's); the restart repeats the first
-        prompt = f"a lighthouse on a cliff at dusk, take {'first' if row.key == 'restart' else row.key}"
+        # every mode (so each accelerated image can be compared with stock's); a row with a reference repeats its
+        prompt = f"a lighthouse on a cliff at dusk, take {row.reference or row.key}"
         if row.long_prompt:
             prompt += ", " + ", ".join(f"detail {i}" for i in range(40))  # about 120 tokens
         if row.lora is not None:
@@ -228,30 +113,31 @@ class Scenario:
         width, height = self.config.sizes[row.size]
         record: dict[str, Any] = {"key": row.key, "mode": mode, "process": process,
                                   "label": row.label.format(batch=self.config.batch, size=f"{width}x{height}"),
-                                  "size": f"{width}x{height}", "batch": self.config.batch if row.batch else 1}
+                                  "size": f"{width}x{height}", "batch": self.config.batch if row.batch else 1,
+                                  "reference": row.reference, "step_cache_interval": row.step_cache}
         try:
             record["load_seconds"] = self.switch(row.checkpoint)
             payload = self.payload(row)
             if mode != "stock" and row.prompts_job:
-                payload["alwayson_scripts"] = {SECTION_TITLE: {"args": [True, *script_args(mode)]}}
+                payload["alwayson_scripts"] = {SECTION_TITLE: {"args": [True, *script_args(mode, row.step_cache)]}}
             elif mode != "stock":
-                payload.update(script_name=SCRIPT_NAME, script_args=script_args(mode))
+                payload.update(script_name=SCRIPT_NAME, script_args=script_args(mode, row.step_cache))
             timed = self.ui.timed_generate(payload)
             record.update(seconds=timed.seconds, s_per_it=timed.s_per_it, s_per_it_from_progress=timed.from_progress,
                           steps=timed.steps, images=timed.images)
-            if mode == "stock":
-                self._stock_pictures[row.key] = timed.picture
-            else:
-                stock = self._stock_pictures.get("first" if row.key == "restart" else row.key)
-                if stock is not None and timed.picture is not None and stock.shape == timed.picture.shape:
-                    record["psnr_vs_stock"] = psnr(timed.picture, stock)
+            self._pictures.setdefault((mode, row.key), timed.picture)
+            reference = row.reference or row.key
+            for field, against in (("psnr_vs_stock", ("stock", reference)), ("psnr_vs_uncached", (mode, reference))):
+                picture = self._pictures.get(against)
+                if mode != "stock" and against != (mode, row.key) and picture is not None and \
+                        timed.picture is not None and picture.shape == timed.picture.shape:
+                    record[field] = psnr(timed.picture, picture)
             if mode != "stock":
                 status = self.ui.status()
                 record.update({k: status.get(k) for k in ("accelerated", "compiles", "compile_seconds",
                                                           "convert_seconds", "released", "kept_previous", "run_seconds",
-                                                          "cache_hits",
-                                                          "ov_calls", "eager_calls", "lora_write_seconds",
-                                                          "generations")})
+                                                          "cache_hits", "ov_calls", "eager_calls",
+                                                          "lora_write_seconds", "generations", "step_cache")})
                 record["status"] = status.get("status", "")
         except (AssertionError, OSError, RuntimeError) as err:
             record["error"] = str(err)[:2000]
@@ -286,7 +172,8 @@ class Scenario:
             if mode != "stock":
                 self.forget_conditioning()
             for row in ROWS:
-                if not chosen or row.key in chosen:
+                # stock has no step caching: its picture for those rows is their reference's
+                if (not chosen or row.key in chosen) and (mode != "stock" or row.step_cache == 1):
                     alive = alive and self.run_row(row, mode, 1)
             self.phase_end(mode, 1)
         if not alive or (chosen and RESTART.key not in chosen):

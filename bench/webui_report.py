@@ -126,8 +126,8 @@ def markdown(results: dict[str, Any]) -> str:
         rule += "---|---|---|---|---|---|"
     lines += [head, rule]
     for key in dict.fromkeys(r["key"] for r in rows):  # the scenario's order
-        stock = _find(rows, "stock", "first" if key == "restart" else key)
         first = next(r for r in rows if r["key"] == key)
+        stock = _find(rows, "stock", first.get("reference") or key)
         line = f"| {first['label']} | {first['size']} | {first['batch']} | {_num(stock.get('seconds'))} |"
         for m in modes:
             r = _find(rows, m, key)
@@ -165,6 +165,7 @@ def markdown(results: dict[str, Any]) -> str:
     for key in dict.fromkeys(r["key"] for r in rows if r["mode"] != "stock"):
         label = next(r["label"] for r in rows if r["key"] == key)
         lines.append(f"| {label} | " + " | ".join(_num(_find(rows, m, key).get("psnr_vs_stock")) for m in modes) + " |")
+    lines += step_cache_lines(rows, modes)
     lines += ["", "## Memory and disk cache", "",
               "| after | process | peak RSS GiB (VmHWM) | RSS GiB | disk cache |", "|---|---|---|---|---|"]
     for p in phases:
@@ -175,6 +176,37 @@ def markdown(results: dict[str, Any]) -> str:
     if errors:
         lines += ["", "## Failures", ""] + [f"- {r['mode']} / {r['label']}: `{r['error'][:300]}`" for r in errors]
     return "\n".join(lines) + "\n"
+
+
+def step_cache_lines(rows: list[dict[str, Any]], modes: list[str]) -> list[str]:
+    """The step caching table: each cached request against the same mode's uncached one ("again")."""
+    cached = [r for r in rows if r.get("step_cache_interval", 1) > 1 and r["mode"] in modes]
+    if not cached:
+        return []
+    lines = ["", "## Step caching", "",
+             "Each request with step caching against the same precision's uncached request at the same size, "
+             "prompt and seed (\"same size again\"): whole-request seconds and seconds per step (A1111's progress, "
+             "steps 3 on), the UNet's full and shallow calls (the status route), and the image's PSNR against the "
+             "uncached one and against stock's. The first request with step caching builds its two models.", "",
+             "| precision | request | interval | s | vs uncached | s/it | s/it vs uncached | full calls | "
+             "shallow calls | compile s | PSNR vs uncached dB | PSNR vs stock dB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in modes:
+        uncached = _find(rows, m, "again")
+        if uncached:
+            lines.append(f"| {m} | {uncached['label']} | 1 | {_num(uncached.get('seconds'))} | 1.00x | "
+                         f"{_num(uncached.get('s_per_it'), '{:.2f}')} | 1.00x | | | "
+                         f"{_num(uncached.get('compile_seconds'))} | — | {_num(uncached.get('psnr_vs_stock'))} |")
+        for r in (r for r in cached if r["mode"] == m):
+            facts = r.get("step_cache") or {}
+            speed = _ratio(uncached.get("seconds"), r.get("seconds"))
+            step_speed = _ratio(uncached.get("s_per_it"), r.get("s_per_it"))
+            lines.append(f"| {m} | {r['label']} | {r['step_cache_interval']} | {_num(r.get('seconds'))} | "
+                         f"{_num(speed, '{:.2f}x')} | {_num(r.get('s_per_it'), '{:.2f}')} | "
+                         f"{_num(step_speed, '{:.2f}x')} | {_num(facts.get('full_calls'), '{}')} | "
+                         f"{_num(facts.get('shallow_calls'), '{}')} | {_num(r.get('compile_seconds'))} | "
+                         f"{_num(r.get('psnr_vs_uncached'))} | {_num(r.get('psnr_vs_stock'))} |")
+    return lines
 
 
 def goals(results: dict[str, Any]) -> list[str]:

@@ -34,7 +34,7 @@ def test_tiny_run_measures_every_row(tmp_path):
 
     rows = {(r["mode"], r["key"]): r for r in results["rows"]}
     for row in ROWS:
-        for mode in ("stock", "auto"):
+        for mode in ("stock", "auto") if row.step_cache == 1 else ("auto",):  # stock has no step caching
             record = rows[(mode, row.key)]
             assert "error" not in record, record
             assert record["seconds"] > 0 and record["images"] == (row.prompts_job or record["batch"]), record
@@ -57,6 +57,16 @@ def test_tiny_run_measures_every_row(tmp_path):
     for row in (*ROWS, RESTART):
         assert rows[("auto", row.key)]["psnr_vs_stock"] > 25, (row.key, rows[("auto", row.key)].get("psnr_vs_stock"))
     assert "## Images against stock (PSNR dB)" in table
+    # step caching: shallow UNet calls on the cached steps, the image close to the same mode's uncached one
+    assert ("stock", "cache2") not in rows
+    for row in (r for r in ROWS if r.step_cache > 1):
+        record = rows[("auto", row.key)]
+        facts = record["step_cache"]
+        assert facts["interval"] == row.step_cache and facts["shallow_calls"] > 0, record["status"]
+        assert record["psnr_vs_uncached"] > 25, (row.key, record["psnr_vs_uncached"])
+    assert rows[("auto", "cache2")]["compiles"] == 0, rows[("auto", "cache2")]["status"]
+    line = next(x for x in table.splitlines() if x.startswith("| auto | step caching every 3 steps |"))
+    assert len(re.findall(NUMBER, line)) >= 10, line
 
     # every request row of the table: stock seconds, accelerated seconds, ratio, compile seconds, peak RSS
     for row in (*ROWS, RESTART):
