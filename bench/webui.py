@@ -30,10 +30,12 @@ from bench.webui_host import BenchWebUI, write_kohya_lora
 from bench.webui_rows import (
     FULL_CHECKPOINTS,
     FULL_LORA,
+    MODELS,
     PRECISION_KEYS,
     PROMPTS_SCRIPT,
     RESTART,
     ROWS,
+    SDXL_CHECKPOINT,
     SECTION_TITLE,
     TINY_LORA,
     Row,
@@ -142,7 +144,7 @@ class Scenario:
         except (AssertionError, OSError, RuntimeError) as err:
             record["error"] = str(err)[:2000]
             logger.warning("%s / %s failed: %s", mode, row.key, str(err)[:300])
-        record.update(self.ui.memory())
+        record.update(self.ui.memory(), peak_seen=self.ui.peak_seen, least_available_gib=self.ui.least_available)
         logger.info("%s %-12s %s", mode, row.key, {k: record.get(k) for k in ("seconds", "s_per_it", "compile_seconds",
                                                                               "convert_seconds", "cache_hits",
                                                                               "released", "peak")})
@@ -195,9 +197,19 @@ def prepare(config: WebUIBenchSettings, work: Path) -> tuple[BenchWebUI, tuple[s
         ui = BenchWebUI(testbed, work / "data", work / "logs", CHECKPOINT_A)
         ui.prepare([])  # builds the tiny checkpoints and their LoRA
         return ui, (CHECKPOINT_A, CHECKPOINT_B), TINY_LORA
+    folder = testbed / "webui" / "models" / "Stable-diffusion"
+    if config.model == "sdxl":
+        ui = BenchWebUI(testbed, work / "data", work / "logs", SDXL_CHECKPOINT)
+        ui.prepare([])  # the tiny models too: SDXL's live preview reads their approximate VAE
+        if not (folder / SDXL_CHECKPOINT).is_file():
+            logger.warning("making %s (a full-size random SDXL base, fp16, about 7 GB; minutes)",
+                           folder / SDXL_CHECKPOINT)
+            subprocess.run([str(ui.python), str(Path(__file__).with_name("make_sdxl.py")),
+                            str(folder / SDXL_CHECKPOINT), "1"], cwd=ui.webui, env=ui.env(), check=True)
+        ui.link_checkpoints([folder / SDXL_CHECKPOINT])
+        return ui, (SDXL_CHECKPOINT, SDXL_CHECKPOINT), ""
     ui = BenchWebUI(testbed, work / "data", work / "logs", FULL_CHECKPOINTS[0])
     ui.prepare([])
-    folder = testbed / "webui" / "models" / "Stable-diffusion"
     ui.link_checkpoints([folder / name for name in FULL_CHECKPOINTS])
     lora = ui.data_dir / "models" / "Lora" / f"{FULL_LORA}.safetensors"
     if not lora.is_file():
@@ -222,6 +234,9 @@ def available_gib() -> float:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench webui", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="the real-host tier's tiny models (CI smoke test, minutes)")
+    p.add_argument("--model", choices=MODELS,
+                   help="the full-size model (default sd15; sdxl: a random SDXL base the bench makes once, "
+                        "sizes 1024x1024 1024x768 768x1024, no checkpoint switch or LoRA rows)")
     p.add_argument("--precisions", nargs="+", choices=PRECISION_KEYS, help="accelerated runs (default: auto)")
     p.add_argument("--steps", type=int, help="sampling steps per request (default 4)")
     p.add_argument("--sizes", nargs=3, type=parse_size, metavar="WxH",
@@ -248,7 +263,8 @@ def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    options = {"tiny": args.tiny, "precisions": tuple(args.precisions) if args.precisions else None,
+    options = {"tiny": args.tiny, "model": args.model,
+               "precisions": tuple(args.precisions) if args.precisions else None,
                "steps": args.steps, "sizes": tuple(args.sizes) if args.sizes else None, "batch": args.batch,
                "rows": tuple(args.rows) if args.rows else None,
                "testbed": args.testbed, "out": args.out, "name": args.name, "work_dir": args.work_dir,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ov_backend.memory import system_memory
 from tests.real_webui.webui import WebUI
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class BenchWebUI(WebUI):
     def __init__(self, testbed: Path, data_dir: Path, log_dir: Path, checkpoint: str) -> None:
         super().__init__(testbed, data_dir, log_dir)
         self.checkpoint = checkpoint
+        #: during the last timed request: the WebUI's largest VmHWM, the machine's least available GiB
+        self.peak_seen: float = 0.0
+        self.least_available: float | None = None
 
     def link_checkpoints(self, files: list[Path]) -> None:
         """Make checkpoint files of the test bed visible in the isolated data folder (symlinks, no copy)."""
@@ -72,9 +76,11 @@ class BenchWebUI(WebUI):
         """
         seen: dict[int, float] = {}
         done = threading.Event()
+        self.peak_seen, self.least_available = 0.0, None
 
         def poll() -> None:
             while not done.wait(POLL_SECONDS):
+                self._watch_memory()
                 try:
                     state = self.get("/sdapi/v1/progress?skip_current_image=true", timeout=30)["state"]
                 except (AssertionError, OSError, KeyError, ValueError):
@@ -99,6 +105,15 @@ class BenchWebUI(WebUI):
             s_per_it = result.seconds / steps
         return Timed(result.seconds, steps, s_per_it, from_progress, len(result.images),
                      (result.infotexts or [""])[0], result.images[0] if result.images else None)
+
+    def _watch_memory(self) -> None:
+        """The WebUI's peak RSS and the machine's least available memory seen during the request: what is
+        known of a request whose WebUI the kernel ends for want of memory."""
+        self.peak_seen = max(self.peak_seen, self.memory()["peak"])
+        memory = system_memory()
+        if memory is not None:
+            available = memory.available / GIB
+            self.least_available = min(self.least_available or available, available)
 
     def memory(self) -> dict[str, float]:
         """Resident memory of the WebUI's Python process (the largest one in its session), in GiB:

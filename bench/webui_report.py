@@ -60,7 +60,8 @@ def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
         "load_average_at_start": os.getloadavg()[0],
         "extension_source": "working tree" if os.environ.get("OV_REAL_WEBUI_SOURCE") == "worktree"
         else "git clone of the checkout's HEAD",
-        "settings": {"tiny": config.tiny, "precisions": list(config.precisions), "steps": config.steps,
+        "settings": {"tiny": config.tiny, "model": config.model, "precisions": list(config.precisions),
+                     "steps": config.steps,
                      "sizes": ["x".join(map(str, s)) for s in config.sizes], "batch": config.batch,
                      "rows": list(config.rows), "sampler": "Euler", "cfg_scale": 7,
                      "testbed": testbed_label(Path(config.testbed)), "previous_weights": config.previous_weights},
@@ -74,6 +75,12 @@ def testbed_label(testbed: Path) -> str:
         return str(testbed.resolve().relative_to(Path(__file__).resolve().parents[1]))
     except ValueError:
         return "$A1111_ROOT"
+
+
+def model_title(settings: dict[str, Any]) -> str:
+    if settings["tiny"]:
+        return "tiny test models"
+    return "full-size SDXL base" if settings.get("model") == "sdxl" else "full-size SD 1.5"
 
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:
@@ -103,7 +110,7 @@ def _machine_lines(results: dict[str, Any]) -> list[str]:
         f"start; 1-minute load average at the start {results['load_average_at_start']:.1f}",
         f"- Bench process: {versions}; the WebUI runs in the test bed's own venv ({s['testbed']})",
         f"- Requests: txt2img, Euler, {s['steps']} steps, CFG {s['cfg_scale']}, sizes {', '.join(s['sizes'])}, "
-        f"a new prompt each time; {'tiny test models' if s['tiny'] else 'full-size SD 1.5 (random weights)'}",
+        f"a new prompt each time; {model_title(s)}{'' if s['tiny'] else ' (random weights)'}",
     ] + ([f"- The extension's setting for the previous weights' compiled models: {s['previous_weights']}"]
          if s.get("previous_weights") else []) + ([f"- Note: {results['note']}"] if results.get("note") else [])
 
@@ -112,7 +119,7 @@ def markdown(results: dict[str, Any]) -> str:
     """All tables of one run."""
     rows, phases, s = results.get("rows", []), results.get("phases", []), results["settings"]
     modes = s["precisions"]
-    title = "tiny test models" if s["tiny"] else "full-size SD 1.5"
+    title = model_title(s)
     lines = [f"# Real WebUI benchmark: stock A1111 v1.10.1 vs Accelerate with OpenVINO ({title})", "",
              *_machine_lines(results), "", "## Time per request (seconds)", "",
              "Each request once, in this order, stock first, then accelerated at each precision, in one WebUI "
@@ -174,7 +181,10 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", *goals(results)]
     errors = [r for r in rows if "error" in r]
     if errors:
-        lines += ["", "## Failures", ""] + [f"- {r['mode']} / {r['label']}: `{r['error'][:300]}`" for r in errors]
+        lines += ["", "## Failures", ""] + [
+            f"- {r['mode']} / {r['label']}: `{r['error'][:300]}` (during it: the WebUI's peak RSS "
+            f"{_num(r.get('peak_seen'), '{:.2f}')} GiB, the machine's least available memory "
+            f"{_num(r.get('least_available_gib'), '{:.2f}')} GiB)" for r in errors]
     return "\n".join(lines) + "\n"
 
 

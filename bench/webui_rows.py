@@ -16,6 +16,11 @@ from tests.real_webui.webui import testbed_ready, testbed_root
 logger = logging.getLogger(__name__)
 
 FULL_CHECKPOINTS = ("sd15-random.safetensors", "sd15-random-b.safetensors")
+#: the bench's full-size SDXL base checkpoint (made by bench/make_sdxl.py into the test bed on first use)
+SDXL_CHECKPOINT = "sdxl-random.safetensors"
+MODELS = ("sd15", "sdxl")
+#: rows that need a second checkpoint or a LoRA, which the bench makes for SD 1.5 only
+NOT_SDXL = ("switch", "switch_back", "lora", "lora_change")
 FULL_LORA = "bench-lora-sd15"
 TINY_LORA = "ovtest-lora"  # written by tests/real_webui/make_models.py
 PRECISION_KEYS = ("auto", "f32", "int8")
@@ -79,6 +84,9 @@ class WebUIBenchSettings:
     """What one run measures (defaults block = the field defaults)."""
 
     tiny: bool = False
+    model: str = "sd15"
+    """The full-size model: "sd15" (the test bed's two SD 1.5 checkpoints) or "sdxl" (one SDXL base checkpoint:
+    no checkpoint switch, no LoRA rows)."""
     """The real-host tier's tiny models (minutes) instead of the full-size SD 1.5 checkpoints."""
     precisions: tuple[str, ...] = ("auto",)
     """Accelerated runs, in order: "auto" (what users run), "f32" and/or "int8" (the INT8 UNet: its first
@@ -108,6 +116,7 @@ class WebUIBenchSettings:
 
 
 TINY_SIZES = ((64, 64), (96, 64), (64, 96))
+SDXL_SIZES = ((1024, 1024), (1024, 768), (768, 1024))
 
 
 def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
@@ -120,6 +129,8 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
     if values.get("tiny"):
         values.setdefault("sizes", TINY_SIZES)
         values.setdefault("min_available_gib", 0.0)
+    if values.get("model") == "sdxl":
+        values.setdefault("sizes", SDXL_SIZES)
     # absolute: the WebUI runs in its own folder, where a path relative to here names nothing
     values["testbed"] = Path(values.get("testbed") or testbed_root()).absolute()
     config = WebUIBenchSettings(**values)
@@ -134,6 +145,14 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
     unknown_rows = [key for key in config.rows if key not in keys]
     if unknown_rows:
         raise ValueError(f"rows: unknown request(s) {', '.join(unknown_rows)}; known: {', '.join(keys)}")
+    if config.model not in MODELS or config.model == "sdxl" and config.tiny:
+        raise ValueError(f"model must be {' or '.join(MODELS)} (and sd15 with tiny), got {config.model!r}")
+    if config.model == "sdxl":  # one checkpoint, no LoRA made for it
+        alone = [row.key for row in (*ROWS, RESTART) if row.key not in NOT_SDXL]
+        if any(key not in alone for key in config.rows):
+            raise ValueError(f"rows: with model sdxl only {', '.join(alone)} (one checkpoint and no LoRA), "
+                             f"got {', '.join(config.rows)}")
+        config = dataclasses.replace(config, rows=config.rows or tuple(alone))
     if config.rows:  # with the rows they are measured against, in the scenario's order
         wanted = set(config.rows) | {row.reference for row in (*ROWS, RESTART) if row.key in config.rows}
         config = dataclasses.replace(config, rows=tuple(key for key in keys if key in wanted))

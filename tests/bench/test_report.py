@@ -79,3 +79,45 @@ def test_the_previous_weights_setting_is_checked_and_named(tmp_path, monkeypatch
     assert build_settings({}).previous_weights == ""
     with pytest.raises(ValueError, match="previous_weights must be auto or keep or release, got 'sometimes'"):
         build_settings({"previous_weights": "sometimes"})
+
+
+def test_chosen_rows_bring_the_rows_they_are_measured_against(tmp_path, monkeypatch):
+    # a step caching row is compared with the uncached "again", the restart with the cold "first" (whose run
+    # also fills the disk cache the restart reads)
+    from bench.webui_rows import build_settings
+
+    monkeypatch.setenv("A1111_ROOT", str(fake_test_bed(tmp_path / "bed")))
+    assert build_settings({"rows": ("cache3",)}).rows == ("again", "cache3")
+    assert build_settings({"rows": ("restart", "cache2")}).rows == ("first", "again", "cache2", "restart")
+
+
+def test_the_sdxl_model_runs_at_its_sizes_without_the_rows_it_cannot_take(tmp_path, monkeypatch):
+    from bench.webui_rows import NOT_SDXL, build_settings
+
+    monkeypatch.setenv("A1111_ROOT", str(fake_test_bed(tmp_path / "bed")))
+    config = build_settings({"model": "sdxl"})
+    assert config.sizes[0] == (1024, 1024) and config.rows and not set(config.rows) & set(NOT_SDXL)
+    assert build_settings({"model": "sdxl", "sizes": ((768, 768), (768, 512), (512, 768))}).sizes[0] == (768, 768)
+    with pytest.raises(ValueError, match="with model sdxl only first, again, .*got first, lora"):
+        build_settings({"model": "sdxl", "rows": ("first", "lora")})
+    with pytest.raises(ValueError, match="model must be sd15 or sdxl"):
+        build_settings({"model": "sd3"})
+    with pytest.raises(ValueError, match="model must be"):
+        build_settings({"model": "sdxl", "tiny": True})
+
+
+def test_the_step_caching_table_compares_with_the_same_precisions_uncached_request():
+    from bench.webui_report import step_cache_lines
+
+    def row(key, interval, seconds, s_per_it, **extra):
+        return {"mode": "auto", "key": key, "label": key, "step_cache_interval": interval, "seconds": seconds,
+                "s_per_it": s_per_it, "compile_seconds": 0.0, **extra}
+
+    rows = [row("again", 1, 300.0, 15.0, psnr_vs_stock=84.0),
+            row("cache3", 3, 200.0, 10.0, psnr_vs_uncached=47.6, psnr_vs_stock=47.5,
+                step_cache={"full_calls": 8, "shallow_calls": 12})]
+    lines = step_cache_lines(rows, ["auto"])
+    cached = next(x for x in lines if x.startswith("| auto | cache3 |"))
+    assert [c.strip() for c in cached.strip("|").split("|")] == [
+        "auto", "cache3", "3", "200.0", "1.50x", "10.00", "1.50x", "8", "12", "0.0", "47.6", "47.5"]
+    assert step_cache_lines(rows[:1], ["auto"]) == []  # no step caching row: no table
