@@ -63,6 +63,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,28 @@ REQUIREMENTS = "requirements-a1111-py311.txt"
 SOURCE_UNAVAILABLE = 75  # EX_TEMPFAIL
 
 STARTED = time.monotonic()
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source tree the bed needs: where it comes from and how it is recognised."""
+
+    variable: str
+    """The environment variable that may name a local folder or tar archive of it."""
+    label: str
+    """Its name in the build's log and errors."""
+    marker: str
+    """A file at the top of the tree."""
+    repo: str
+    commit: str
+    version: str
+    check: Callable[[Path], None]
+    """Raises BuildError unless the tree at the given folder is the version the bed needs."""
+    ignore: tuple[str, ...] = ("__pycache__",)
+    """Names left out when a folder is copied."""
+    needs_reachable: bool = False
+    """Without the variable and with the repository unreachable, SourceUnavailable (the tier skips) rather
+    than a failed fetch."""
 
 
 class BuildError(Exception):
@@ -252,38 +275,48 @@ class TestBed:
 
     # --- 1. the WebUI's source ---------------------------------------------------------------------
     def webui_source(self) -> None:
-        if (self.webui / "launch.py").is_file():
-            check_webui_version(self.webui)
+        self.stage(Source("A1111_SRC", "WebUI source", "launch.py", WEBUI_REPO, WEBUI_COMMIT, f"v{WEBUI_VERSION}",
+                          check_webui_version, ignore=("venv", "__pycache__"), needs_reachable=True), self.webui)
+
+    def stage(self, source: Source, dest: Path) -> None:
+        """Puts ``source``'s tree at ``dest``: from the folder or archive its variable names, else from git at
+        its commit; checked (its marker file at the top, its version) before it is renamed into place."""
+        if (dest / source.marker).is_file():
+            source.check(dest)
             return
-        staging = self.root / "webui.part"
+        staging = dest.with_name(dest.name + ".part")
         shutil.rmtree(staging, ignore_errors=True)
-        source = os.environ.get("A1111_SRC", "")
-        if source:
-            path = Path(source).expanduser()
+        given = os.environ.get(source.variable, "")
+        if given:
+            path = Path(given).expanduser()
             if path.is_dir():
-                say(f"WebUI source: copying the folder {path}")
-                shutil.copytree(path, staging, symlinks=True, ignore=shutil.ignore_patterns("venv", "__pycache__"))
+                say(f"{source.label}: copying the folder {path}")
+                shutil.copytree(path, staging, symlinks=True, ignore=shutil.ignore_patterns(*source.ignore))
             elif path.is_file():
-                say(f"WebUI source: unpacking {path}")
+                say(f"{source.label}: unpacking {path}")
                 staging.mkdir()
                 with tarfile.open(path) as archive:
+                    commit = archive.pax_headers.get("comment", "")  # git archive records its commit there
+                    if commit and len(commit) == 40 and commit != source.commit:
+                        raise BuildError(f"{source.variable}={given} is commit {commit}, not {source.commit}")
                     extract_all(archive, staging)
             else:
-                raise BuildError(f"A1111_SRC={source}: no such file or folder")
+                raise BuildError(f"{source.variable}={given}: no such file or folder")
         else:
-            if not reachable(WEBUI_REPO):
-                raise SourceUnavailable(f"A1111_SRC is not set and {WEBUI_REPO} cannot be reached")
-            say(f"WebUI source: git, {WEBUI_REPO} at {WEBUI_COMMIT[:8]} (v{WEBUI_VERSION})")
-            git_fetch_commit(WEBUI_REPO, WEBUI_COMMIT, staging)
-        top = staging if (staging / "launch.py").is_file() else None
-        if top is None:  # archives hold one folder (stable-diffusion-webui/, stable-diffusion-webui-1.10.1/)
+            if source.needs_reachable and not reachable(source.repo):
+                raise SourceUnavailable(f"{source.variable} is not set and {source.repo} cannot be reached")
+            say(f"{source.label}: git, {source.repo} at {source.commit[:8]} ({source.version})")
+            git_fetch_commit(source.repo, source.commit, staging)
+        top = staging if (staging / source.marker).is_file() else None
+        if top is None:  # archives hold one folder (stable-diffusion-webui-1.10.1/, sd-webui-controlnet/)
             children = [p for p in staging.iterdir() if p.is_dir()]
-            if len(children) == 1 and (children[0] / "launch.py").is_file():
+            if len(children) == 1 and (children[0] / source.marker).is_file():
                 top = children[0]
         if top is None:
-            raise BuildError(f"{source}: no launch.py at its top or in its only folder; not a WebUI source")
-        check_webui_version(top)
-        top.rename(self.webui)
+            raise BuildError(f"{given or source.repo}: no {source.marker} at its top or in its only folder; "
+                             f"not a {source.label}")
+        source.check(top)
+        top.rename(dest)
         shutil.rmtree(staging, ignore_errors=True)
 
     # --- 2. repositories/ --------------------------------------------------------------------------
@@ -435,41 +468,8 @@ class TestBed:
 
     # --- 9. sd-webui-controlnet and its controlnet_aux ----------------------------------------------------
     def controlnet_source(self) -> None:
-        if (self.controlnet / "scripts" / "controlnet.py").is_file():
-            check_controlnet_version(self.controlnet)
-            return
-        staging = self.root / (CONTROLNET_FOLDER + ".part")
-        shutil.rmtree(staging, ignore_errors=True)
-        source = os.environ.get("CONTROLNET_SRC", "")
-        if source:
-            path = Path(source).expanduser()
-            if path.is_dir():
-                say(f"{CONTROLNET_FOLDER}/: copying the folder {path}")
-                shutil.copytree(path, staging, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-            elif path.is_file():
-                say(f"{CONTROLNET_FOLDER}/: unpacking {path}")
-                staging.mkdir()
-                with tarfile.open(path) as archive:
-                    commit = archive.pax_headers.get("comment", "")  # git archive records its commit there
-                    if commit and commit != CONTROLNET_COMMIT:
-                        raise BuildError(f"CONTROLNET_SRC={source} is commit {commit}, not {CONTROLNET_COMMIT}")
-                    extract_all(archive, staging)
-            else:
-                raise BuildError(f"CONTROLNET_SRC={source}: no such file or folder")
-        else:
-            say(f"{CONTROLNET_FOLDER}/: git, {CONTROLNET_REPO} at {CONTROLNET_COMMIT[:8]}")
-            git_fetch_commit(CONTROLNET_REPO, CONTROLNET_COMMIT, staging)
-        top = staging if (staging / "scripts" / "controlnet.py").is_file() else None
-        if top is None:  # archives hold one folder (sd-webui-controlnet/)
-            children = [p for p in staging.iterdir() if p.is_dir()]
-            if len(children) == 1 and (children[0] / "scripts" / "controlnet.py").is_file():
-                top = children[0]
-        if top is None:
-            raise BuildError(f"{source}: no scripts/controlnet.py at its top or in its only folder; "
-                             "not sd-webui-controlnet")
-        check_controlnet_version(top)
-        top.rename(self.controlnet)
-        shutil.rmtree(staging, ignore_errors=True)
+        self.stage(Source("CONTROLNET_SRC", "sd-webui-controlnet source", "scripts/controlnet.py", CONTROLNET_REPO,
+                          CONTROLNET_COMMIT, CONTROLNET_VERSION, check_controlnet_version), self.controlnet)
 
     def controlnet_aux(self) -> None:
         """controlnet_aux under constraints of every installed distribution's version: pip may add packages,
