@@ -90,6 +90,9 @@ class CompiledRoute:
     through_blocks: bool = False
     """The module's blocks are routed one by one for now (set and cleared by the generation): a call runs the
     module's own method, whose blocks run in OpenVINO, and is counted by them."""
+    way: SplitBuild | None = None
+    """How the last call ran the module: its whole compiled method (None) or step caching's methods at one
+    depth (see :meth:`run_by`)."""
 
     @property
     def source(self) -> Callable[..., Any]:
@@ -101,6 +104,20 @@ class CompiledRoute:
         using the route again costs a compile); returns how many were released."""
         own = self.compiled.release() + sum(build.release() for build in self.splits.values())
         return own + (self.f32.release() if self.f32 is not None else 0)
+
+    def run_by(self, way: SplitBuild | None) -> int:
+        """Note how this call runs the module. On a change, the compiled models of the other ways are released:
+        each holds its own copy of the weights (a full-size SD 1.5 UNet: 3.4 GB at f32), and a generation runs
+        the UNet one way. Going back is a compile, not a conversion. Returns how many were released."""
+        if way is self.way:
+            return 0
+        self.way = way
+        released = self.compiled.release() if way is not None else 0
+        released += sum(build.release() for build in self.splits.values() if build is not way)
+        if released:
+            logger.info("Accelerate with OpenVINO: %s now runs %s; %d compiled model(s) of its other way released",
+                        self.label, "whole" if way is None else "with step caching", released)
+        return released
 
     def split_at(self, module: Any, depth: int) -> SplitBuild | None:
         """The step caching methods at ``depth`` (made now if needed), or None when the module cannot be split
@@ -240,6 +257,8 @@ def make_forward(
             build = entry.f32 or entry
             module = entry.module_ref() if step_cache is not None and build is entry else None
             split = entry.split_at(module, step_cache.settings.depth) if module is not None else None
+            if build is entry:
+                entry.run_by(split)
         if module is not None and split is None and on_uncached is not None:
             on_uncached(entry, entry.step_cache_off)
         if split is not None:
