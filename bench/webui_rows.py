@@ -99,7 +99,8 @@ class WebUIBenchSettings:
     """The batch size of the "batch" row."""
     rows: tuple[str, ...] = ()
     """The requests to measure, by key (e.g. ``("first", "again")``; "restart" for the restart phase), in the
-    scenario's order, stock and each precision; empty: all of them."""
+    scenario's order, stock and each precision; empty: all of them (with model sdxl: all it can take).
+    :func:`build_settings` adds the rows a chosen one is compared with (its ``reference``)."""
     testbed: Path = Path()
     """The test bed's root (``A1111_ROOT``)."""
     out: Path = Path("bench/results")
