@@ -113,7 +113,8 @@ class BenchWebUI(WebUI):
         memory = system_memory()
         if memory is not None:
             available = memory.available / GIB
-            self.least_available = min(self.least_available or available, available)
+            self.least_available = available if self.least_available is None else min(self.least_available,
+                                                                                       available)
 
     def memory(self) -> dict[str, float]:
         """Resident memory of the WebUI's Python process (the largest one in its session), in GiB:

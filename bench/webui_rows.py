@@ -84,10 +84,10 @@ class WebUIBenchSettings:
     """What one run measures (defaults block = the field defaults)."""
 
     tiny: bool = False
+    """The real-host tier's tiny models (minutes) instead of the full-size SD 1.5 checkpoints."""
     model: str = "sd15"
     """The full-size model: "sd15" (the test bed's two SD 1.5 checkpoints) or "sdxl" (one SDXL base checkpoint:
     no checkpoint switch, no LoRA rows)."""
-    """The real-host tier's tiny models (minutes) instead of the full-size SD 1.5 checkpoints."""
     precisions: tuple[str, ...] = ("auto",)
     """Accelerated runs, in order: "auto" (what users run), "f32" and/or "int8" (the INT8 UNet: its first
     generation, a checkpoint switch and each LoRA change calibrate and quantize)."""

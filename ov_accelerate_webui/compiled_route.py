@@ -105,19 +105,19 @@ class CompiledRoute:
         own = self.compiled.release() + sum(build.release() for build in self.splits.values())
         return own + (self.f32.release() if self.f32 is not None else 0)
 
-    def run_by(self, way: SplitBuild | None) -> int:
-        """Note how this call runs the module. On a change, the compiled models of the other ways are released:
-        each holds its own copy of the weights (a full-size SD 1.5 UNet: 3.4 GB at f32), and a generation runs
-        the UNet one way. Going back is a compile, not a conversion. Returns how many were released."""
+    def run_by(self, way: SplitBuild | None) -> None:
+        """Note how this call runs the module. On a change, the compiled models of the other ways are released
+        (counted in the backend's ``released``): each holds its own copy of the weights (a full-size SD 1.5
+        UNet: 3.4 GB at f32), and a generation runs the UNet one way. Going back is a compile, not a
+        conversion."""
         if way is self.way:
-            return 0
+            return
         self.way = way
         released = self.compiled.release() if way is not None else 0
         released += sum(build.release() for build in self.splits.values() if build is not way)
         if released:
             logger.info("Accelerate with OpenVINO: %s now runs %s; %d compiled model(s) of its other way released",
                         self.label, "whole" if way is None else "with step caching", released)
-        return released
 
     def split_at(self, module: Any, depth: int) -> SplitBuild | None:
         """The step caching methods at ``depth`` (made now if needed), or None when the module cannot be split
