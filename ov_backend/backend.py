@@ -20,13 +20,16 @@ import torch
 from ov_backend import devices, rewrites
 from ov_backend.cache import ModelCache
 from ov_backend.compiled import CompiledGraph
+from ov_backend.compress import compress_weights
 from ov_backend.context import BuildContext
 from ov_backend.inputs import GraphFacts, InputKind, classify_inputs
 from ov_backend.ops import decomposition_table
 from ov_backend.portable import PortableGraph
+from ov_backend.precision import COMPRESSED_PRECISIONS
 from ov_backend.report import CompileReport, StatsCounter
 from ov_backend.settings import PREVIOUS_WEIGHTS, BackendSettings, build_settings
 from ov_backend.variants import SharedModels, UseWindow
+from ov_backend.weight_file import WeightFile, WeightHome
 from ov_backend.weights import DigestMemo
 
 logger = logging.getLogger(__name__)
@@ -44,9 +47,13 @@ class OVBackend:
     Args:
         settings: a :class:`BackendSettings`, or an options mapping validated by
             :func:`build_settings`.
+        weight_file: with ``weights_in_file``, the :class:`~ov_backend.weight_file.WeightFile` weights move
+            into, shared with other backends that compile the same modules (default: one of this backend's
+            own, in ``cache_dir``/weights).
     """
 
-    def __init__(self, settings: BackendSettings | Mapping[str, Any] | None = None) -> None:
+    def __init__(self, settings: BackendSettings | Mapping[str, Any] | None = None,
+                 weight_file: WeightFile | None = None) -> None:
         self.settings = settings if isinstance(settings, BackendSettings) else build_settings(settings)
         self.core = devices.shared_core()
         self.cache = ModelCache(self.settings.cache_dir)
@@ -59,12 +66,17 @@ class OVBackend:
         self._lock = threading.Lock()
         self._reports: list[CompileReport] = []
         self._graphs: list[CompiledGraph] = []
+        #: where weights move before their first conversion (None: they stay where they are)
+        self.weight_file = (weight_file or WeightFile(self.settings.cache_dir / "weights")) \
+            if self.settings.weights_in_file else None
         #: what compiled graphs see of this backend (compile_model is looked up here, so that a
         #: subclass's override is used)
         self.build_context = BuildContext(self.settings, self.core, self.cache, self.stats_counter,
                                           compile_model=self.compile_model, add_report=self.add_report,
                                           digests=self.digests, versions=self.versions, window=UseWindow(),
-                                          shared=SharedModels(), release_stale=self._release_stale)
+                                          shared=SharedModels(), release_stale=self._release_stale,
+                                          weights=WeightHome(self.weight_file, self.stats_counter)
+                                          if self.weight_file is not None else None)
 
     # -- dynamo entry -------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -125,6 +137,10 @@ class OVBackend:
         CPU's compile.
         """
         config = self.settings.compile_config
+        if self.settings.precision in COMPRESSED_PRECISIONS:
+            # 8-bit weights: a compressed copy of the float model, compiled in memory (OpenVINO's blob cache finds
+            # a model by its file, which holds the float one)
+            model = compress_weights(self.core.read_model(str(model)) if isinstance(model, Path) else model)
         from_file = isinstance(model, Path)
         if self.settings.model_caching and "CACHE_DIR" not in config and (from_file or not self.settings.on_cpu):
             try:
@@ -179,6 +195,13 @@ class OVBackend:
         with self._lock:
             graphs = [g for g in self._graphs if g is not asking]
         return sum(g.release_if_stale() for g in graphs)
+
+    def drop_resident_weights(self) -> None:
+        """With ``weights_in_file``: take the weight file's pages out of the process (e.g. after a
+        generation in which PyTorch read weights: a LoRA written, a part run in PyTorch). Always safe:
+        what reads them next reads them from the file."""
+        if self.weight_file is not None:
+            self.weight_file.drop_resident()
 
     def add_report(self, report: CompileReport) -> None:
         """Keep ``report`` (the report sink of this backend's compiled graphs)."""

@@ -5,6 +5,8 @@ Layout under the cache folder::
     models/<key>/model.xml, model.bin, meta.json   one converted model per entry
     blobs/                                          OpenVINO's own CACHE_DIR (compiled blobs)
     captures/<key>.capture                          torch's saved captures (see ov_backend.portable)
+    weights/                                        not the cache's: PyTorch's weights moved out of memory
+                                                    (ov_backend.weight_file; its files are unlinked once mapped)
 
 An entry is written into a temporary folder and renamed into place, and ``meta.json`` (with
 the size and a checksum of every file) is written last, so a process killed mid-write leaves

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -121,9 +122,10 @@ class CompiledGraph:
             logger.info("%s: released %d compiled model(s): %s", self.name, released, why)
         return released
 
-    def _variant(self, sig: Any, user_values: Any, weight_values: Any) -> tuple[str, WeightSet, Any]:
+    def _variant(self, sig: Any, user_values: Any, weight_values: Any) -> tuple[str, WeightSet, Any, bool]:
         """The weights' fingerprint and weight set, and the variant for ``sig`` (built if missing, or if
-        the model it borrowed is gone)."""
+        the model it borrowed is gone), and whether it was built now."""
+        built = False
         fp, store = self._weights.current(weight_values)
         variant = store.variants.get(sig)
         if variant is None or not variant.usable:
@@ -132,25 +134,33 @@ class CompiledGraph:
                 variant = store.variants.get(sig)
                 if variant is None or not variant.usable:
                     self._release_unused(fp)
-                    variant = self._builder.build(sig, user_values, weight_values, store, fp)
+                    home = self.context.weights
+                    if home is not None and home.before_build(weight_values):
+                        self._weights.moved(weight_values)  # same values at new addresses: same fingerprint
+                    with home.packing() if home is not None else nullcontext():
+                        variant = self._builder.build(sig, user_values, weight_values, store, fp)
                     store.variants[sig] = variant
+                    built = True
         window = self.context.window.current
         self._last_used[(fp, sig)] = self._weights_used[fp] = window
-        return fp, store, variant
+        return fp, store, variant, built
 
     def __call__(self, *args: Any) -> Any:
         weight_values, user_values = self.inputs.split(args)
         sig = signature(user_values, self.inputs.scalar_tensors)
-        fp, store, variant = self._variant(sig, user_values, weight_values)
+        fp, store, variant, built = self._variant(sig, user_values, weight_values)
+        home = self.context.weights
         start = time.perf_counter()
         try:
             try:
-                result = variant.run(user_values)
+                # a model's first run packs its weights: OpenVINO's copy is made, PyTorch's pages can leave
+                with home.packing() if built and home is not None else nullcontext():
+                    result = variant.run(user_values)
             except ModelReleased:  # its owner released the borrowed model after the check: build again
                 with self._lock:
                     if store.variants.get(sig) is variant:
                         del store.variants[sig]
-                fp, store, variant = self._variant(sig, user_values, weight_values)
+                fp, store, variant, built = self._variant(sig, user_values, weight_values)
                 result = variant.run(user_values)
         except Exception as err:  # OpenVINO runtime errors come as RuntimeError and others
             if not variant.in_openvino:

@@ -20,9 +20,11 @@ from typing import Any
 import openvino as ov
 
 from ov_backend.cache import ModelCache
+from ov_backend.precision import COMPRESSED_PRECISIONS
 from ov_backend.report import CompileReport, PartitionReport, StatsCounter
 from ov_backend.settings import BackendSettings
 from ov_backend.variants import SharedModels, UseWindow
+from ov_backend.weight_file import WeightHome
 from ov_backend.weights import DigestMemo
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class BuildContext:
         shared: the compiled models for all shapes its graphs lend each other.
         release_stale: releases the compiled models of the backend's other graphs whose weights changed
             since their last call (argument: the graph asking, left alone); returns how many went.
+        weights: where weights move before their first conversion (``BackendSettings.weights_in_file``).
     """
 
     settings: BackendSettings
@@ -62,6 +65,7 @@ class BuildContext:
     window: UseWindow = field(default_factory=UseWindow)
     shared: SharedModels = field(default_factory=SharedModels)
     release_stale: Callable[[Any], int] = lambda asking: 0
+    weights: WeightHome | None = None
 
     def fail(self, message: str, err: BaseException | None = None) -> None:
         """A visible fallback to PyTorch: a WARNING with ``message``, or raise when ``strict``.
@@ -102,6 +106,7 @@ class BuildContext:
         start = time.perf_counter()
         compiled = self.compile_model(model)
         part.compile_seconds = time.perf_counter() - start
+        part.compressed = self.settings.precision in COMPRESSED_PRECISIONS
         self.stats.add(ov_compile_seconds=part.compile_seconds, compiles=1)
         for prop, attr in (("EXECUTION_DEVICES", "execution_devices"), ("INFERENCE_PRECISION_HINT", "precision")):
             try:

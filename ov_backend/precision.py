@@ -15,14 +15,21 @@ logger = logging.getLogger(__name__)
 #: Precision name -> the ``compile_model`` properties it sets. "auto": the plugin picks (bf16 or f16
 #: where the device has it; results differ slightly from PyTorch); "f32": f32 inference, which
 #: matches PyTorch closely; "int8": weights and activations quantized to 8 bits with NNCF, calibrated
-#: on the graph's first calls (which run at "auto"), the rest at the plugin's choice as for "auto".
+#: on the graph's first calls (which run at "auto"), the rest at the plugin's choice as for "auto";
+#: "int8-weights": the weights compressed to 8 bits with NNCF before each compile, the computation at the
+#: plugin's choice as for "auto" (least memory; see :mod:`ov_backend.compress`).
 PRECISION_CONFIG: dict[str, dict[str, str]] = {
     "auto": {},
     "f32": {"INFERENCE_PRECISION_HINT": "f32"},
     "int8": {},
+    "int8-weights": {},
 }
 #: Precisions whose models are quantized after calibration (see :mod:`ov_backend.quantize`).
 QUANTIZED_PRECISIONS: frozenset[str] = frozenset({"int8"})
+#: Precisions whose models get 8-bit weights before they are compiled (see :mod:`ov_backend.compress`).
+COMPRESSED_PRECISIONS: frozenset[str] = frozenset({"int8-weights"})
+#: Precisions that need NNCF.
+NNCF_PRECISIONS: frozenset[str] = QUANTIZED_PRECISIONS | COMPRESSED_PRECISIONS
 #: The names, in the order a choice lists them (the default first).
 PRECISIONS: tuple[str, ...] = tuple(PRECISION_CONFIG)
 DEFAULT_PRECISION = PRECISIONS[0]

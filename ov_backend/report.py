@@ -7,6 +7,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ov_backend.files import format_bytes
+
 
 @dataclass
 class PartitionReport:
@@ -33,6 +35,8 @@ class PartitionReport:
             shapes run it from then on).
         borrowed: the model for all shapes is another graph's, captured from the same code and run with
             the same weights (see :class:`ov_backend.variants.SharedModels`): nothing compiled.
+        compressed: its weights were compressed to 8 bits before the compile (precision "int8-weights", see
+            :mod:`ov_backend.compress`).
     """
 
     name: str
@@ -51,6 +55,7 @@ class PartitionReport:
     all_shapes: bool = False
     replaced: int = 0
     borrowed: bool = False
+    compressed: bool = False
 
 
 @dataclass
@@ -109,6 +114,8 @@ class CompileReport:
         found = {p.precision for p in self.partitions if p.in_openvino and p.precision}
         if self.quantized:
             found.add("int8")
+        if any(p.compressed and p.in_openvino for p in self.partitions):
+            found.add("int8-weights")
         return tuple(sorted(found))
 
     @property
@@ -170,6 +177,10 @@ class Stats:
     release left in memory (``BackendSettings.previous_weights``); ``released_stale`` (part of
     ``released``) those released from graphs not called since their weights changed (e.g. a long
     prompt's capture of the UNet after a LoRA change), where the previous weights' models are not kept.
+    ``weights_moved_bytes`` counts bytes of PyTorch weights moved into a memory-mapped file before their
+    first conversion (``BackendSettings.weights_in_file``, :mod:`ov_backend.weight_file`), in
+    ``weights_move_seconds`` (part of ``compile_seconds``); ``weights_kept_bytes`` those that stayed in
+    memory beside OpenVINO's copy (the backend's ``weights_kept`` says why).
 
     :meth:`as_dict` is the mapping ``OVBackend.stats()`` returns; :meth:`text_lines` and :meth:`report_json`
     render a run's counters for a status text and a status report.
@@ -195,6 +206,9 @@ class Stats:
     captures_made: int = 0
     captures_saved: int = 0
     captures_loaded: int = 0
+    weights_moved_bytes: int = 0
+    weights_move_seconds: float = 0.0
+    weights_kept_bytes: int = 0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, float]) -> Stats:
@@ -236,6 +250,18 @@ class Stats:
                 "UNet after a LoRA or checkpoint change): the setting for the weights used before says not to "
                 "keep them."
             )
+        moved = int(self.weights_moved_bytes)
+        if moved:
+            lines.append(
+                f"Moved {format_bytes(moved)} of PyTorch's weights into a memory-mapped file in "
+                f"{self.weights_move_seconds:.1f} s: OpenVINO's copy is the one in memory (PyTorch reads the file "
+                "when it needs them)."
+            )
+        if int(self.weights_kept_bytes):
+            lines.append(
+                f"{format_bytes(self.weights_kept_bytes)} of PyTorch's weights stay in memory beside OpenVINO's copy "
+                "(see the log for why)."
+            )
         kept = int(self.kept_previous)
         if kept:
             lines.append(
@@ -263,7 +289,8 @@ class Stats:
 #: The counters a run's status report gives (:meth:`Stats.report_json`), in its order.
 REPORTED_STATS = ("ov_calls", "eager_calls", "cache_hits", "compile_seconds", "convert_seconds", "run_seconds",
                   "released", "released_stale", "kept_previous", "capture_seconds", "captures_made",
-                  "captures_saved", "captures_loaded")
+                  "captures_saved", "captures_loaded", "weights_moved_bytes", "weights_move_seconds",
+                  "weights_kept_bytes")
 
 
 class StatsCounter:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ov_backend import devices, ops, quantize
 from ov_backend.files import user_cache_root
-from ov_backend.precision import DEFAULT_PRECISION, PRECISION_CONFIG, PRECISIONS, QUANTIZED_PRECISIONS
+from ov_backend.precision import DEFAULT_PRECISION, NNCF_PRECISIONS, PRECISION_CONFIG, PRECISIONS
 from ov_backend.rewrites import REWRITES
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,17 @@ class BackendSettings:
         rewrites: the graph rewrites (:mod:`ov_backend.rewrites`) applied to each converted model, by
             name (default: all of :data:`ov_backend.rewrites.REWRITES`); each computes the same values
             faster, and an empty list converts the graph as the frontend gives it.
+        weights_in_file: before a graph's first conversion, move the data of its weight tensors into a
+            memory-mapped file in ``cache_dir``/weights (unlinked once mapped), so that the process holds
+            one copy of each weight, OpenVINO's, instead of PyTorch's beside it: the tensors keep their
+            identity and values and PyTorch reads them from the file when it needs them
+            (:mod:`ov_backend.weight_file`; ``docs/memory.md``). It changes the storage of the tensors
+            of the module being compiled. Linux only; where the folder is in memory (tmpfs) or the disk
+            has no room, the weights stay in memory and the log says why.
+        check_memory: before a build, estimate what the compiled model will hold and compare it with the
+            memory available (the process's cgroup limit included); short of it, run the graph in PyTorch with
+            a WARNING that says so (``strict`` raises), until the next use window looks again, instead of
+            swapping or thrashing the machine (:mod:`ov_backend.memory_guard`).
     """
 
     device: str = "CPU"
@@ -110,6 +121,8 @@ class BackendSettings:
     shared_shapes: str = "auto"
     previous_weights: str = "auto"
     rewrites: tuple[str, ...] = REWRITES
+    weights_in_file: bool = False
+    check_memory: bool = True
 
     def __post_init__(self) -> None:
         # checked here, not only in build_settings, so that dataclasses.replace(settings, precision=...) is
@@ -199,7 +212,7 @@ def _check_config(config: Any) -> tuple[tuple[str, str], ...]:
 
 
 def _check_precision(precision: Any) -> Any:
-    if precision in QUANTIZED_PRECISIONS:
+    if precision in NNCF_PRECISIONS:
         problem = quantize.nncf_problem()
         if problem is not None:
             raise ValueError(f"option 'precision' {precision!r}: {problem}")
@@ -296,6 +309,8 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
         shared_shapes=_as_choice("shared_shapes", merged.get("shared_shapes", "auto"), SHARED_SHAPES),
         previous_weights=_as_choice("previous_weights", merged.get("previous_weights", "auto"), PREVIOUS_WEIGHTS),
         rewrites=_check_rewrites(merged.get("rewrites")),
+        weights_in_file=_as_bool("weights_in_file", merged.get("weights_in_file", False)),
+        check_memory=_as_bool("check_memory", merged.get("check_memory", True)),
         min_partition_ops=_as_count("min_partition_ops", merged.get("min_partition_ops", DEFAULT_MIN_PARTITION_OPS),
                                     minimum=1, meaning="partitions with fewer aten ops run in PyTorch; "
                                                        "1 sends every partition to OpenVINO"),

@@ -179,10 +179,11 @@ class Variant:
         return self._usable is None or self._usable()
 
 
-def eager_variant(inputs: GraphInputs, weight_values: Sequence[torch.Tensor]) -> Variant:
-    """The graph run in PyTorch with these weights."""
+def eager_variant(inputs: GraphInputs, weight_values: Sequence[torch.Tensor],
+                  usable: Callable[[], bool] | None = None) -> Variant:
+    """The graph run in PyTorch with these weights (``usable``: until it says False; always by default)."""
     frozen = list(weight_values)
-    return Variant(lambda user: inputs.gm(*inputs.full_args(user, frozen)), in_openvino=False)
+    return Variant(lambda user: inputs.gm(*inputs.full_args(user, frozen)), in_openvino=False, usable=usable)
 
 
 @dataclass(eq=False)
@@ -261,6 +262,17 @@ class WeightVariants:
             self._fingerprint = fp
             self._watch = weights.WeightWatch(weight_values)
             return fp, self._by_weights[fp]
+
+    def moved(self, weight_values: Sequence[torch.Tensor]) -> None:
+        """The weights of the current set moved to other memory with their values unchanged
+        (:mod:`ov_backend.weight_file`): watch them where they are now, under the same fingerprint and
+        digests, without hashing them again."""
+        with self._lock:
+            known = [self._digests.lookup_moved(t) for t in weight_values]
+            for t, digest in zip(weight_values, known):
+                if digest is not None:
+                    self._digests.remember(t, digest)
+            self._watch = weights.WeightWatch(weight_values)
 
     def stale(self) -> bool:
         """Whether the weights of the last call changed since (or were freed): every model held was built for

@@ -125,6 +125,15 @@ class DigestMemo:
             return found[1]
         return None
 
+    def lookup_moved(self, t: torch.Tensor) -> bytes | None:
+        """The digest remembered for ``t`` even if its storage or version changed since: for a tensor
+        whose bytes moved unchanged to other memory (the caller knows they are the same)."""
+        with self._lock:
+            found = self._known.get(id(t))
+        if found is not None and found[0][0]() is t:
+            return found[1]
+        return None
+
     def remember(self, t: torch.Tensor, digest: bytes) -> None:
         key = id(t)
         known = self._known

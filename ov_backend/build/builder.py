@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ov_backend import convert
+from ov_backend import convert, memory_guard
 from ov_backend.build.dynamic import DynamicBuilds
 from ov_backend.build.int8 import Int8Builds
 from ov_backend.build.shared_shapes import SharedShapes
@@ -46,6 +46,8 @@ class GraphBuilder:
         self.int8 = Int8Builds(target) if context.settings.precision in QUANTIZED_PRECISIONS else None
         self.static = StaticBuilds(target)
         self.dynamic = DynamicBuilds(target, SharedShapes(target), self.int8)
+        #: the device's own inference precision ("bf16", "f32", ...), read on the first memory check
+        self._default_hint: str | None = None
         self._torch_op_count = sum(1 for n in inputs.gm.graph.nodes if n.op == "call_method" or (
             n.op == "call_function" and not node_op_name(n).startswith("_operator.")))
 
@@ -61,6 +63,9 @@ class GraphBuilder:
         report = CompileReport(self.target.name, signature_text(sig), "static", settings.device)
         start = time.perf_counter()
         try:
+            short = self._short_of_memory(weight_values)
+            if short is not None:
+                return self._in_pytorch_for_now(short, weight_values, report)
             with convert.build_lock():
                 # a graph smaller than min_partition_ops goes the static build, whose partitions are counted
                 if (self.target.inputs.dynamic_dims is not None and not settings.disabled_ops
@@ -75,6 +80,32 @@ class GraphBuilder:
             context.stats.add(compile_seconds=time.perf_counter() - start, trace_seconds=report.trace_seconds,
                               convert_seconds=report.convert_seconds)
             context.add_report(report)
+
+    def _short_of_memory(self, weight_values: Sequence[torch.Tensor]) -> str | None:
+        """Why the model for these weights should not be built now (it would not fit in the memory left), or
+        None (``BackendSettings.check_memory``, :mod:`ov_backend.memory_guard`)."""
+        settings = self.target.context.settings
+        if not settings.check_memory:
+            return None
+        if self._default_hint is None:
+            try:
+                hint = self.target.context.core.get_property(settings.device, "INFERENCE_PRECISION_HINT")
+            except RuntimeError:  # not every device reports it
+                hint = "f32"
+            self._default_hint = hint.to_string() if hasattr(hint, "to_string") else str(hint)
+        precision = memory_guard.inference_precision(settings.precision, settings.compile_config, self._default_hint)
+        compressed = None if precision == "int8-weights" else memory_guard.build_bytes(weight_values, "int8-weights")
+        return memory_guard.shortage(memory_guard.build_bytes(weight_values, precision), compressed=compressed)
+
+    def _in_pytorch_for_now(self, why: str, weight_values: Sequence[torch.Tensor], report: CompileReport) -> Variant:
+        """The graph in PyTorch until the next use window, because ``why`` (a visible fallback)."""
+        context = self.target.context
+        report.route = "eager"
+        report.warnings.append(f"{self.target.name}: {why}; runs in PyTorch until the next use window looks again")
+        context.fail(f"{self.target.name} {report.signature}: {why}")
+        window, started = context.window, context.window.current
+        # the next use window (a generation) checks the memory again
+        return eager_variant(self.target.inputs, weight_values, usable=lambda: window.current == started)
 
     def eager(self, weight_values: Sequence[torch.Tensor]) -> Variant:
         """The graph run in PyTorch with these weights."""

@@ -28,7 +28,8 @@ def test_defaults(monkeypatch):
 def test_option_names_are_the_stock_set_plus_ours():
     assert set(OPTION_NAMES) == {"device", "model_caching", "cache_dir", "config", "precision", "decompositions",
                                  "disabled_ops", "aot_autograd", "strict", "min_partition_ops",
-                                 "calibration_samples", "shared_shapes", "previous_weights", "rewrites"}
+                                 "calibration_samples", "shared_shapes", "previous_weights", "rewrites",
+                                 "weights_in_file", "check_memory"}
 
 
 def test_rewrites_are_named_and_all_applied_by_default():

@@ -1,0 +1,65 @@
+"""Whether a new compiled model fits in the memory the machine has left, before it is built.
+
+A compiled model holds OpenVINO's own copy of its weights in the plugin's layout: as large as the weights
+at f32, half at bf16/f16. Building one that does not fit does not fail: the machine swaps, or, with no swap,
+thrashes until the kernel's out-of-memory killer ends the process (a full SDXL UNet at f32 on a 23.5 GiB
+machine froze it for minutes, ``docs/memory.md``). So before a build the backend compares what the model
+will hold (:func:`build_bytes`) with what is available (:func:`ov_backend.memory.system_memory`, a memory
+limit of the process's cgroup included) and, short of it, runs the graph in PyTorch with the reason
+(:func:`shortage`), until the next use window looks again.
+
+The estimate is the compiled weights at the inference precision, plus a margin for the compile's own work
+(:data:`MARGIN`, :data:`MARGIN_BYTES`). Pages of weights in a memory-mapped file
+(:mod:`ov_backend.weight_file`) are not counted: the kernel drops them when memory runs short.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ov_backend.files import format_bytes
+from ov_backend.memory import SystemMemory, system_memory
+from ov_backend.precision import COMPRESSED_PRECISIONS
+
+logger = logging.getLogger(__name__)
+
+#: Share of the compiled weights added for what compiling takes beside them (measured below 10% on SD parts).
+MARGIN = 0.10
+#: Bytes added to every estimate: the plugin's working buffers, the graph's activations.
+MARGIN_BYTES = 256 << 20
+#: Bytes per element of the compiled weights, by inference precision (8-bit weights: the compressed constant
+#: and the plugin's packed copy of it).
+_ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "int8-weights": 2}
+
+
+def inference_precision(settings_precision: str, config: dict[str, str], default_hint: str | None) -> str:
+    """The precision the plugin will compute at: the config's ``INFERENCE_PRECISION_HINT``, else the device's
+    default (``default_hint``, e.g. "bf16" on a CPU with AMX or AVX-512 BF16), else f32."""
+    if settings_precision in COMPRESSED_PRECISIONS:
+        return "int8-weights"
+    hint = config.get("INFERENCE_PRECISION_HINT") or default_hint or "f32"
+    return str(hint).lower() if str(hint).lower() in _ELEMENT_BYTES else "f32"
+
+
+def build_bytes(weight_values: Sequence[torch.Tensor], precision: str) -> int:
+    """Bytes a model compiled from these weights at ``precision`` is expected to add to the process."""
+    per = _ELEMENT_BYTES.get(precision, 4)
+    weights = sum(t.numel() * (min(per, t.element_size()) if t.is_floating_point() else t.element_size())
+                  for t in weight_values)
+    return int(weights * (1 + MARGIN)) + MARGIN_BYTES
+
+
+def shortage(needed: int, memory: SystemMemory | None = None, compressed: int | None = None) -> str | None:
+    """Why a build that adds ``needed`` bytes should not start now, or None (it fits, or memory is unknown).
+    ``compressed``: what the build would need with 8-bit weights, named when it would fit."""
+    memory = memory if memory is not None else system_memory()
+    if memory is None or needed <= memory.available:
+        return None
+    why = (f"not enough memory to compile it: it needs about {format_bytes(needed)} and "
+           f"{format_bytes(memory.available)} is available")
+    if compressed is not None and compressed <= memory.available:
+        why += f" (with 8-bit weights, precision 'int8-weights', it would need about {format_bytes(compressed)})"
+    return why

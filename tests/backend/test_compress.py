@@ -1,0 +1,80 @@
+"""8-bit weights (precision ``"int8-weights"``, :mod:`ov_backend.compress`): the compiled model's weights at 8 bits,
+its results close to PyTorch's, a weight changed in place followed."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import openvino as ov
+import pytest
+import torch
+
+from ov_backend import OVBackend
+from ov_backend.compress import compress_weights
+
+pytest.importorskip("nncf")
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256),
+                               torch.nn.LayerNorm(256), torch.nn.Linear(256, 64)).eval()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def weight_types(model: ov.Model) -> dict[str, int]:
+    """Element type -> elements, over the model's constants of more than 1024 elements."""
+    found: dict[str, int] = {}
+    for op in model.get_ordered_ops():
+        if op.get_type_name() == "Constant":
+            n = 1
+            for d in op.get_output_shape(0):
+                n *= int(d)
+            if n > 1024:
+                key = op.get_output_element_type(0).get_type_name()
+                found[key] = found.get(key, 0) + n
+    return found
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_weights_of_a_converted_model_become_8_bit(dynamic: bool) -> None:
+    model = mlp()
+    x = torch.randn(4, 256)
+    kwargs = {"input": [ov.PartialShape([-1, 256])]} if dynamic else {}
+    with torch.no_grad():
+        converted = ov.convert_model(torch.fx.symbolic_trace(model) if not dynamic else model, example_input=x,
+                                     **kwargs)
+        want = model(x)
+    compressed = compress_weights(converted)
+    types = weight_types(compressed)
+    weights = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert types.get("u8", 0) == weights, types
+    assert weight_types(converted).get("u8", 0) == 0  # the float model stays as it was (a copy is compressed)
+    got = torch.from_numpy(ov.Core().compile_model(compressed, "CPU",
+                                                   {"INFERENCE_PRECISION_HINT": "f32"})(x.numpy())[0])
+    error = relative_error(got, want)
+    assert 0 < error < 0.02, error
+
+
+def test_the_backend_compiles_8_bit_weights_and_follows_a_weight_changed_in_place(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = mlp()
+    backend = OVBackend({"precision": "int8-weights", "cache_dir": str(tmp_path / "cache")})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 256)
+    caplog.set_level(logging.INFO, logger="ov_backend.compress")
+    with torch.no_grad():
+        want = model(x)
+        assert relative_error(compiled(x), want) < 0.03
+        model[0].weight.mul_(-1)  # as a LoRA written in place
+        changed = model(x)
+        assert relative_error(compiled(x), changed) < 0.03
+    assert backend.stats()["eager_calls"] == 0 and backend.stats()["ov_calls"] == 2
+    lines = [r.getMessage() for r in caplog.records if "compressed the weights to 8 bits" in r.getMessage()]
+    assert len(lines) == 2, lines  # each compile compressed the weights it was compiled from
+    eight, total = (int(v) for v in lines[0].split(": ")[1].split(" weight")[0].split(" of "))
+    assert eight >= 0.99 * total, lines[0]

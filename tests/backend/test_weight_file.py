@@ -1,0 +1,152 @@
+"""PyTorch's copy of the weights in a memory-mapped file (``weights_in_file``, :mod:`ov_backend.weight_file`).
+
+What a user relies on: the module gives the same results compiled or not, before and after its weights are
+written in place (A1111's LoRA code); its tensors stay the same objects; after a compiled call no page of
+the file is in the process (an independent reading: ``/proc/self/smaps``); where the weights cannot move,
+they stay in memory and a WARNING says why.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ov_backend import OVBackend, WeightFile
+from ov_backend.weight_file import file_system_of
+
+from .conftest import F32_ATOL, F32_RTOL, f32_backend
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+
+
+def mapped_weight_rss() -> int:
+    """Bytes of the process's pages in weight files (their names start with ``.ov-weights-``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="utf-8") as f:
+        for line in f:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = ".ov-weights-" in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                               torch.nn.LayerNorm(256), torch.nn.Linear(256, 8)).eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_compiled_weights_move_to_the_file_and_leave_the_process(tmp_path: Path) -> None:
+    model = mlp()
+    params = list(model.parameters())
+    backend = f32_backend(tmp_path, weights_in_file=True)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        want = model(x)
+        torch.testing.assert_close(compiled(x), want, rtol=F32_RTOL, atol=F32_ATOL)
+        assert list(model.parameters()) == params and all(a is b for a, b in zip(model.parameters(), params))
+        assert all(backend.weight_file.holds(p) for p in params)
+        assert backend.stats()["weights_moved_bytes"] == weight_bytes(model)
+        assert mapped_weight_rss() == 0 and backend.weight_file.resident_bytes() == 0
+        # PyTorch reads them from the file: the same values
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+        assert mapped_weight_rss() > 0  # (the oracle sees the pages PyTorch read)
+        backend.drop_resident_weights()
+        assert mapped_weight_rss() == 0
+
+        # A1111's LoRA code writes the weights in place: the next call follows, with a compile and no conversion
+        converted = backend.stats()["convert_seconds"]
+        model[0].weight.add_(0.05)
+        changed = model(x)
+        assert not torch.allclose(changed, want)
+        torch.testing.assert_close(compiled(x), changed, rtol=F32_RTOL, atol=F32_ATOL)
+        assert backend.stats()["convert_seconds"] == converted
+        assert mapped_weight_rss() == 0
+        # another shape: one more build, the pages leave again
+        torch.testing.assert_close(compiled(torch.ones(7, 64)), model(torch.ones(7, 64)), rtol=F32_RTOL, atol=F32_ATOL)
+        backend.drop_resident_weights()
+        assert mapped_weight_rss() == 0
+    assert any("memory-mapped file" in line for line in backend.stats_counter.snapshot().text_lines())
+
+
+def test_without_the_option_nothing_moves(tmp_path: Path) -> None:
+    model = mlp()
+    backend = f32_backend(tmp_path)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64))
+    assert backend.weight_file is None and backend.stats()["weights_moved_bytes"] == 0
+    assert not list((tmp_path / "cache").glob("weights/*"))
+
+
+def test_a_file_system_in_memory_keeps_the_weights_where_they_are_and_says_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    if file_system_of(Path("/dev/shm")) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    model = mlp()
+    shm = Path("/dev/shm") / f"ov-test-{os.getpid()}"
+    backend = OVBackend({"precision": "f32", "cache_dir": str(shm), "weights_in_file": True})
+    x = torch.randn(3, 64)
+    caplog.set_level(logging.WARNING)
+    with torch.no_grad():
+        want = model(x)
+        got = torch.compile(model, backend=backend)(x)
+    torch.testing.assert_close(got, want, rtol=F32_RTOL, atol=F32_ATOL)
+    stats = backend.stats()
+    assert stats["weights_moved_bytes"] == 0 and stats["weights_kept_bytes"] == weight_bytes(model)
+    assert any("stay in memory" in r.getMessage() and "tmpfs" in r.getMessage() for r in caplog.records)
+    assert not any(backend.weight_file.holds(p) for p in model.parameters())
+
+
+def test_a_tensor_a_build_saw_before_never_moves(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a converted model may read its memory: moving it would free what the model reads
+    seen, fresh = torch.randn(1000), torch.randn(1000)
+    weights = WeightFile(tmp_path / "weights")
+    address = seen.data_ptr()
+    weights.take([seen])  # moved: it was never seen
+    assert weights.holds(seen) and seen.data_ptr() != address
+    seen.set_(torch.randn(1000).untyped_storage())  # replaced after its build (as `param.data = ...` does)
+    result = weights.take([seen, fresh])
+    assert not weights.holds(seen) and weights.holds(fresh)
+    assert result.kept_bytes == {"read by a model converted before it could move": 4000}
+    assert result.moved_bytes == 4000
+
+
+def test_views_and_tensors_sharing_memory_stay(tmp_path: Path) -> None:
+    base = torch.randn(10, 10)
+    weights = WeightFile(tmp_path / "weights")
+    result = weights.move([base[2:], base, torch.randn(3)])
+    assert set(result.kept_bytes) == {"a view of a larger tensor"} and result.moved_bytes == 12
+
+
+def test_a_file_is_closed_once_its_tensors_are_gone(tmp_path: Path) -> None:
+    weights = WeightFile(tmp_path / "weights")
+    tensors = [torch.randn(256, 256) for _ in range(3)]
+    values = [t.clone() for t in tensors]
+    weights.move(tensors)
+    assert weights.file_bytes() >= 3 * 256 * 256 * 4
+    assert all(torch.equal(t, v) for t, v in zip(tensors, values))
+    assert not list((tmp_path / "weights").iterdir())  # unlinked once mapped: nothing is left on disk
+    del tensors
+    gc.collect()
+    weights.drop_resident()
+    assert weights.file_bytes() == 0
+
+
+def test_settings_take_a_boolean_for_the_option() -> None:
+    from ov_backend import build_settings
+
+    assert build_settings({"weights_in_file": "yes"}).weights_in_file is True
+    with pytest.raises(ValueError, match="weights_in_file.*boolean"):
+        build_settings({"weights_in_file": "sometimes"})
