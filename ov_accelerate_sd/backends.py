@@ -1,7 +1,8 @@
 """The backends a pipeline's parts run on: one ``OVBackend`` per backend settings, and which part runs at which.
 
 Owns :class:`BackendChoice` (what a user chooses for the backend: device, precision, disk cache),
-:func:`part_precision`, the one place of the rule that INT8 is for the UNet only (its calls are recorded at
+:func:`part_precision`, the one place of the rules that INT8 is for the UNet only and 8-bit weights for all but
+the VAE (its calls are recorded at
 float and quantized; the VAE and the text encoders run at the float default: they are a small part of a
 generation's time, ``docs/int8.md``), and :class:`Backends`, which keeps one backend and its run counter per
 settings, shared by every part and every run under those settings. The command line and the WebUI adapter
@@ -26,10 +27,16 @@ logger = logging.getLogger(__name__)
 
 def part_precision(part: str, precision: str) -> str:
     """The precision ``part`` (a name of ``ov_accelerate_sd.parts.PARTS``) runs at when ``precision`` is chosen:
-    a quantized precision is for the UNet, the other parts run at the float default."""
-    from ov_backend.precision import DEFAULT_PRECISION, QUANTIZED_PRECISIONS
+    a quantized precision is for the UNet, 8-bit weights for the UNet and the text encoders (most of the bytes:
+    an SDXL's VAE holds 2% of them, and its pictures show weight noise first); the other parts run at the float
+    default."""
+    from ov_backend.precision import COMPRESSED_PRECISIONS, DEFAULT_PRECISION, QUANTIZED_PRECISIONS
 
-    return precision if part == "unet" or precision not in QUANTIZED_PRECISIONS else DEFAULT_PRECISION
+    if precision in QUANTIZED_PRECISIONS:
+        return precision if part == "unet" else DEFAULT_PRECISION
+    if precision in COMPRESSED_PRECISIONS:
+        return precision if part != "vae" else DEFAULT_PRECISION
+    return precision
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,9 @@ class BackendChoice:
     model_caching: bool
     cache_dir: str | None
     """Folder of the disk cache; None: ov_backend's per-user default."""
+    weights_in_file: bool = True
+    """PyTorch's copy of the weights OpenVINO runs moves into a memory-mapped file (``cache_dir``/weights) before
+    the first conversion, so memory holds one copy of each (``ov_backend`` option ``weights_in_file``)."""
 
     @property
     def quantized(self) -> bool:
@@ -56,7 +66,7 @@ class BackendChoice:
     def options(self) -> dict[str, Any]:
         """The options of ``ov_backend.build_settings``."""
         options: dict[str, Any] = {"device": self.device, "model_caching": self.model_caching,
-                                   "precision": self.precision}
+                                   "precision": self.precision, "weights_in_file": self.weights_in_file}
         if self.cache_dir is not None:
             options["cache_dir"] = self.cache_dir
         return options
@@ -83,14 +93,19 @@ class Mark:
 class Backends:
     """One ``OVBackend`` and its ``GraphRunCounter`` per :class:`BackendChoice`, made on first use (thread-safe).
 
+    The backends of one cache folder share one ``ov_backend.WeightFile`` (the same module may be compiled by
+    several: a part at f32 after an overflow at *Automatic*), so they agree on which weights moved.
+
     Args:
-        make: choice -> backend (default: ``OVBackend`` of the choice's options).
+        make: (choice, weight file or None) -> backend (default: ``OVBackend`` of the choice's options).
     """
 
     def __init__(self, make: Any = None) -> None:
         self._make = make
         self._lock = threading.Lock()
         self._counters: dict[BackendChoice, GraphRunCounter] = {}
+        #: weights folder -> the file weights move into
+        self._weight_files: dict[str, Any] = {}
 
     def counter(self, choice: BackendChoice) -> GraphRunCounter:
         """The counting backend of ``choice`` (what ``torch.compile`` gets), made if it is new.
@@ -101,9 +116,17 @@ class Backends:
         with self._lock:
             counter = self._counters.get(choice)
             if counter is None:
-                from ov_backend import GraphRunCounter, OVBackend, build_settings
+                from ov_backend import GraphRunCounter, OVBackend, WeightFile, build_settings
 
-                backend = (self._make or (lambda c: OVBackend(build_settings(c.options()))))(choice)
+                settings = build_settings(choice.options())
+                weight_file = None
+                if settings.weights_in_file:
+                    folder = str(settings.cache_dir / "weights")
+                    weight_file = self._weight_files.get(folder)
+                    if weight_file is None:
+                        weight_file = self._weight_files[folder] = WeightFile(settings.cache_dir / "weights")
+                make = self._make or (lambda c, w: OVBackend(settings, weight_file=w))
+                backend = make(choice, weight_file)
                 counter = self._counters[choice] = GraphRunCounter(backend)
             return counter
 
@@ -138,6 +161,21 @@ class Backends:
     def stop_windows(self) -> None:
         for backend in self.all():
             backend.stop_windows()
+
+    def drop_resident_weights(self) -> None:
+        """Take the pages of PyTorch's weights in files out of the process (``OVBackend.drop_resident_weights``):
+        at the end of a generation, after a LoRA write or a part run in PyTorch read them."""
+        with self._lock:
+            files = list(self._weight_files.values())
+        for weight_file in files:
+            weight_file.drop_resident()
+
+    def weights_in_files(self) -> tuple[int, int | None]:
+        """Bytes of PyTorch's weights in files, and of their pages in the process now (None: unknown)."""
+        with self._lock:
+            files = list(self._weight_files.values())
+        resident = [f.resident_bytes() for f in files]
+        return sum(f.file_bytes() for f in files), None if None in resident else sum(r or 0 for r in resident)
 
     def mark(self) -> Mark:
         backends = self._by_choice()

@@ -90,7 +90,8 @@ class Accelerator:
         self._notify = notify or (lambda text: None)
         self._lock = threading.RLock()
         self._checkpoints: set[str] = set()
-        self.backends = Backends(lambda choice: api.backend_class(api.build_settings(choice.options())))
+        self.backends = Backends(lambda choice, weight_file: api.backend_class(api.build_settings(choice.options()),
+                                                                               weight_file=weight_file))
         """One backend per choice of the user's (and per precision a part runs at), kept across generations."""
         self._compiled: dict[tuple[BackendChoice, str], list[CompiledRoute]] = {}
         self._lora = LoraHook(self._lock)
@@ -100,7 +101,8 @@ class Accelerator:
         """Told (route, why) when step caching cannot split a route's module (set by the generation running)."""
 
     def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str, window: str = WINDOW_NEW,
-                previous_weights: str | None = None, step_cache: StepCacheSettings | None = None) -> PreparedRun:
+                previous_weights: str | None = None, step_cache: StepCacheSettings | None = None,
+                weights_in_file: bool = True) -> PreparedRun:
         """Find the parts of ``model`` to accelerate and get (or make) their compiled forwards.
 
         ``window``: :data:`WINDOW_NEW` (a generation of its own: compiled models it does not call are
@@ -109,13 +111,15 @@ class Accelerator:
         :data:`WINDOW_OFF` (release nothing: the user keeps every size in memory). ``previous_weights``: the
         backend's ``previous_weights`` for a new window ("auto", "keep", "release"; None: the backend's own).
         ``step_cache``: how step caching runs (its depth and full steps; the interval is ``settings.step_cache``).
+        ``weights_in_file``: PyTorch's copy of the weights moves into a memory-mapped file before their first compile
+        (the backends' ``weights_in_file``).
 
         Raises:
             UnsupportedModel: the model cannot be accelerated.
             ValueError: the backend rejected the settings (e.g. an unknown device).
         """
         targets = find_targets(model, settings.parts)
-        choice = settings.backend_choice(default_cache_dir)
+        choice = dataclasses.replace(settings.backend_choice(default_cache_dir), weights_in_file=weights_in_file)
         f32_choice = dataclasses.replace(choice, precision="f32") if choice.precision != "f32" else None
         ckpt = checkpoint_key(model)
         with self._lock:
@@ -264,11 +268,13 @@ class Accelerator:
 
     def forget_unless(self, model: Any) -> None:
         """On a model load: keep compiled models if ``model``'s checkpoint is one the last generation used, or
-        if A1111 loaded the weights into the modules they route; drop them otherwise."""
+        if A1111 loaded the weights into the modules they route; drop them otherwise. Either way the load wrote
+        weights into the weight files or left their pages behind: they leave the WebUI's memory."""
         with self._lock:
             ckpt = checkpoint_key(model)
             if self._checkpoints and ckpt not in self._checkpoints:
                 self._switch_to(model, ckpt)
+            self.backends.drop_resident_weights()
 
     def _switch_to(self, model: Any, ckpt: str) -> None:
         """Another checkpoint. A1111 loads a checkpoint of the same architecture into the model it has

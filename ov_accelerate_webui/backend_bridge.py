@@ -71,8 +71,8 @@ class BackendApi:
 
     build_settings: Callable[[dict[str, Any]], Any]
     """``ov_backend.build_settings``: options dict -> validated backend settings."""
-    backend_class: Callable[[Any], Any]
-    """``ov_backend.OVBackend``: settings -> backend instance usable with torch.compile."""
+    backend_class: Callable[..., Any]
+    """``ov_backend.OVBackend``: settings (and ``weight_file=``) -> backend instance usable with torch.compile."""
     list_devices: Callable[[], list[tuple[str, str]]]
     """``ov_backend.list_devices``: [(name, full name)]."""
     model_cache: Callable[[str], Any]

@@ -130,7 +130,7 @@ class Extension:
             if options.keep_all_sizes:
                 window = WINDOW_OFF
             prepared = accelerator.prepare(model, settings, host.default_cache_dir(), window,
-                                           options.previous_weights, options.step_cache)
+                                           options.previous_weights, options.step_cache, options.weights_in_file)
         except (BackendUnavailable, UnsupportedModel) as exc:
             raise NotAccelerated(f"Accelerate with OpenVINO: {exc}", logging.WARNING) from exc
         except ValueError as exc:  # settings the backend rejects, e.g. INT8 without NNCF: the image is still made

@@ -104,6 +104,9 @@ class RunRecord:
     """Why a routed part was not called (e.g. the WebUI decoded with TAESD), one sentence each."""
     step_cache: dict[str, Any] = field(default_factory=dict)
     """The UNet's step caching in this run (empty: off): settings, full and shallow calls, why calls ran full."""
+    weights_in_file: tuple[int, int | None] = (0, 0)
+    """Bytes of PyTorch's weights kept in memory-mapped files, and of their pages in the WebUI's memory after
+    the generation (None: unknown): see ``ov_backend.WeightFile``."""
     status: str = ""
 
     def text(self) -> str:
@@ -115,7 +118,7 @@ class RunRecord:
             status += "\n" + changes_line(self.lora_changes, self.reports)
         if self.step_cache:
             status += "\n" + step_cache_line(self.step_cache)
-        return "\n".join([status, *self.notes])
+        return "\n".join([status, *self.notes, *weights_line(self.weights_in_file)])
 
     def summary(self) -> dict[str, Any]:
         """This generation's line in the job's report."""
@@ -220,6 +223,8 @@ class Generation:
         self._restore()
         if calibrate and self.accelerator.calibrate(self.prepared):
             logger.info("Accelerate with OpenVINO: the UNet was quantized to INT8 on this generation's steps")
+        # what read PyTorch's weights during the generation (a LoRA written, a part run in PyTorch) leaves them
+        self.accelerator.backends.drop_resident_weights()
         session, prepared = self.session, self.prepared
         record = RunRecord(
             settings=self.settings,
@@ -233,6 +238,7 @@ class Generation:
             lora_changes=self.accelerator.lora_changes(),
             pytorch=session.pytorch(),
             step_cache=step_cache_facts(prepared.step_cache, session),
+            weights_in_file=self.accelerator.backends.weights_in_files(),
         )
         record.notes = [*session.notes, *_uncalled_vae(record.calls, vae_methods)]
         record.status = record.text()
@@ -241,6 +247,16 @@ class Generation:
             logger.warning("Accelerate with OpenVINO: %s",
                            ov_backend.describe_eager(record.eager, record.calls))
         return record
+
+
+def weights_line(weights_in_file: tuple[int, int | None]) -> list[str]:
+    """The status line on PyTorch's weights in files (none when no weight is in a file)."""
+    size, resident = weights_in_file
+    if not size:
+        return []
+    return [f"PyTorch's copy of the accelerated weights: {ov_backend.format_bytes(size)} in a memory-mapped file"
+            + (f", {ov_backend.format_bytes(resident)} of it in memory after the generation." if resident is not None
+               else ".")]
 
 
 def run_report(record: RunRecord) -> dict[str, Any]:
@@ -264,6 +280,7 @@ def run_report(record: RunRecord) -> dict[str, Any]:
         "generations": 1,
         "plain_generations": 0,
         "runs": [record.summary()],
+        "pytorch_weights_in_file": {"bytes": record.weights_in_file[0], "resident_bytes": record.weights_in_file[1]},
         **ov_backend.Stats.from_mapping(record.stats).report_json(),
     }
 
@@ -332,6 +349,7 @@ def merge(records: Sequence[RunRecord]) -> RunRecord:
         pytorch=pytorch,
         notes=list(dict.fromkeys(note for record in records for note in record.notes)),
         step_cache=merged_facts([r.step_cache for r in records if r.step_cache]),
+        weights_in_file=records[-1].weights_in_file,
     )
 
 

@@ -74,10 +74,12 @@ class AccelerateSettings:
             "results differ slightly from PyTorch). Full precision (f32) matches PyTorch closely. "
             "INT8 quantizes the UNet to 8 bits with NNCF: the first generation runs at Automatic while its "
             "steps are recorded, then the UNet is quantized (minutes, once per checkpoint and LoRA set: "
-            "kept in the disk cache); the VAE and text encoder stay at Automatic.",
+            "kept in the disk cache); the VAE and text encoder stay at Automatic. 8-bit weights keeps the "
+            "UNet's and text encoder's weights at 8 bits (a quarter of f32's memory) and computes at Automatic: "
+            "the least memory, a small loss of quality.",
         ),
     )
-    """A name of ``ov_backend.PRECISIONS``: "auto", "f32" or "int8" (the panel shows them with labels,
+    """A name of ``ov_backend.PRECISIONS``: "auto", "f32", "int8" or "int8-weights" (the panel shows them with labels,
     ``options.PRECISION_LABELS``)."""
     model_caching: bool = field(
         default=True,

@@ -36,6 +36,8 @@ from .options import (
     STEP_CACHE_LABELS,
     STEP_CACHE_START_LABEL,
     STEP_CACHE_START_OPTION,
+    WEIGHTS_IN_FILE_LABEL,
+    WEIGHTS_IN_FILE_OPTION,
     option_key,
     panel_values,
     read_options,
@@ -301,6 +303,7 @@ def add_settings_section(extension: Any) -> None:
         host.add_option(option_key(f.name), default, label, SECTION, **kwargs)
     host.add_option(ENABLE_ALWAYS_OPTION, False, ENABLE_ALWAYS_LABEL, SECTION)
     host.add_option(KEEP_SIZES_OPTION, False, KEEP_SIZES_LABEL, SECTION)
+    host.add_option(WEIGHTS_IN_FILE_OPTION, True, WEIGHTS_IN_FILE_LABEL, SECTION)
     shape = StepCacheSettings()
     for key, label, value, low in ((STEP_CACHE_DEPTH_OPTION, STEP_CACHE_DEPTH_LABEL, shape.depth, 1),
                                    (STEP_CACHE_START_OPTION, STEP_CACHE_START_LABEL, shape.full_start, 1),

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -277,6 +278,23 @@ class WebUI:
                      f"\tcompile {st.get('compile_seconds', 0):.1f} s\tcache hits {st.get('cache_hits')}")
         with open(self.log_dir / "psnr.tsv", "a") as f:
             f.write(f"{what}\t{psnr_db:.1f}{extra}\n")
+
+    def weight_file_pages(self) -> tuple[int, int]:
+        """(bytes mapped, bytes of them in the WebUI's memory) of the extension's weight files (named
+        ``.ov-weights-*``), read from the WebUI process's ``/proc/<pid>/smaps``: a reading of its own, apart
+        from the extension's status."""
+        assert self.process is not None
+        size = rss = 0
+        inside = False
+        with open(f"/proc/{self.process.pid}/smaps", encoding="utf-8") as f:
+            for line in f:
+                if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                    inside = ".ov-weights-" in line
+                elif inside and line.startswith("Size:"):
+                    size += int(line.split()[1]) * 1024
+                elif inside and line.startswith("Rss:"):
+                    rss += int(line.split()[1]) * 1024
+        return size, rss
 
     def status(self) -> dict[str, Any]:
         """The extension's report of its last run (``GET /openvino-accelerate/v1/status``)."""

@@ -40,7 +40,7 @@ def test_one_backend_per_choice_made_from_its_options(tmp_path: Any) -> None:
 class Fake:
     """A backend with reports and counters only."""
 
-    def __init__(self, choice: BackendChoice) -> None:
+    def __init__(self, choice: BackendChoice, weight_file: object = None) -> None:
         self.choice, self.reports, self.counts, self.was_reset, self.quantized = choice, [], {"ov_calls": 0.0}, False, 0
 
     def stats(self) -> dict[str, float]:
@@ -101,3 +101,12 @@ def test_the_command_line_routes_the_unet_at_int8_and_the_rest_at_auto(tmp_path:
     finally:
         accelerator.restore()
     assert accelerator.backends.all() == []
+
+
+def test_eight_bit_weights_are_for_the_unet_and_the_text_encoders_not_the_vae() -> None:
+    from ov_accelerate_sd.backends import part_precision
+
+    assert [part_precision(part, "int8-weights") for part in ("unet", "text_encoder", "vae")] == [
+        "int8-weights", "int8-weights", "auto"]
+    assert [part_precision(part, "int8") for part in ("unet", "text_encoder", "vae")] == ["int8", "auto", "auto"]
+    assert [part_precision(part, "f32") for part in ("unet", "text_encoder", "vae")] == ["f32"] * 3

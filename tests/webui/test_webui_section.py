@@ -207,7 +207,7 @@ def test_xyz_axes_are_added_once_and_write_a_new_dict_per_cell(fake_host: Any, e
         scripts.scripts_data.pop()
     axes = {option.label: option for option in xyz.axis_options}
     assert axes["[OpenVINO] Enabled"].choices() == ["On", "Off"]
-    assert axes["[OpenVINO] Precision"].choices() == ["auto", "f32", "int8"]
+    assert axes["[OpenVINO] Precision"].choices() == ["auto", "f32", "int8", "int8-weights"]
     assert "CPU" in axes["[OpenVINO] Device"].choices()
     assert axes["[OpenVINO] Step caching"].choices() == ["1", "2", "3", "4"]
     with pytest.raises(RuntimeError, match=r"unknown value\(s\) \['bf16'\]; choose from"):

@@ -55,7 +55,8 @@ def test_every_layer_names_the_same_precisions_and_gets_the_same_plugin_hint(tmp
             assert backend_settings(panel.for_part(part).options()).compile_config == PRECISION_CONFIG[
                 "auto" if name == "int8" and part != "unet" else name]
         assert build_settings({"precision": name}).precision == name  # the infotext's spelling is the name
-    with pytest.raises(ValueError, match=r"Unknown precision 'Full'; choose one of \['auto', 'f32', 'int8'\]"):
+    with pytest.raises(ValueError,
+                       match=r"Unknown precision 'Full'; choose one of \['auto', 'f32', 'int8', 'int8-weights'\]"):
         build_settings(panel_values({"precision": "Full"}))
 
 
