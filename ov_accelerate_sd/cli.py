@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: the plugin chooses (bf16 on CPUs that have it); f32: force f32; int8: the "
                           "UNet quantized with NNCF (needs nncf), calibrated on the first batch's steps, which run "
                           "at auto; the VAE and text encoder stay at auto; int8-weights: the UNet's and text "
-                          "encoder's weights compressed to 8 bits with NNCF (least memory), computing at auto")
+                          "encoder's weights compressed to 8 bits (least memory), computing at auto")
     gen.add_argument("--cache-dir", type=Path, help="compiled-model cache (default: per-user cache folder)")
     gen.add_argument("--no-cache", action="store_true", help="do not read or write the compiled-model cache")
     gen.add_argument("--pytorch", action="append", choices=PARTS, default=[], metavar="PART",

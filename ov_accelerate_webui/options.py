@@ -27,7 +27,7 @@ PRECISION_LABELS: dict[str, str] = {
     "auto": "Automatic (fastest the device supports)",
     "f32": "Full precision (f32)",
     "int8": "INT8 UNet (calibrated on your first generation; needs NNCF)",
-    "int8-weights": "8-bit weights (least memory: UNet and text encoder; computes at Automatic; needs NNCF)",
+    "int8-weights": "8-bit weights (least memory: UNet and text encoder; computes at Automatic)",
 }
 #: Step caching interval -> how the panel and the Settings tab show it (read back by :func:`panel_values`).
 STEP_CACHE_LABELS: dict[int, str] = {1: "Off", **{n: f"Every {n} steps" for n in INTERVALS[1:]}}

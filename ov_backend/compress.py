@@ -1,11 +1,17 @@
-"""8-bit weights: a converted model's weights compressed with NNCF before it is compiled.
+"""8-bit weights: a converted model's weights compressed to 8 bits before it is compiled.
 
 The precision ``"int8-weights"`` (:data:`ov_backend.precision.COMPRESSED_PRECISIONS`) keeps each matmul's and
-convolution's weights at 8 bits (asymmetric, one scale and zero point per output channel), which the CPU
-plugin unpacks inside its kernels; the computation stays at the device's float precision, as at ``"auto"``.
-A compiled model then holds about a quarter of its f32 weights' bytes (half of bf16's), for a small loss of
-quality (``docs/memory.md`` measures both). Unlike ``"int8"`` nothing is calibrated: the first call runs
-the compressed model.
+convolution's weights at 8 bits, asymmetric, with one scale and zero point per output channel; the CPU plugin
+unpacks them inside its kernels, and the computation stays at the device's float precision, as at ``"auto"``.
+The weights of a compiled model then take a quarter of their f32 bytes (half of bf16's), for a small loss of
+quality (``docs/memory.md`` measures both). Unlike ``"int8"`` nothing is calibrated: the first call runs the
+compressed model.
+
+Each weight is compressed on its own, in the graph OpenVINO's weight compression (NNCF's ``INT8_ASYM``)
+makes and the CPU plugin recognises: ``Convert(u8 weight) - Convert(u8 zero point)``, times an f16 scale,
+converted to f32, into the matmul or convolution. Doing it here, one weight at a time, keeps the transient
+memory to a layer's worth: NNCF's own pass held about as much again as the model while it ran (measured,
+``docs/memory.md``), which on a full SDXL UNet is gigabytes.
 
 The converted model stays at float (it reads the PyTorch tensors, :mod:`ov_backend.weight_binding`): each
 compile compresses a copy, so a weight changed in place (a LoRA) is compressed anew, never stale.
@@ -16,51 +22,88 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from ov_backend.quantize import QuantizationError, nncf_problem
 from ov_backend.rewrites import fold_weight_splits, share_weight_sections
 
 logger = logging.getLogger(__name__)
 
+#: Weights with fewer elements stay at float (biases, norms, tiny projections: no memory to save).
+MIN_ELEMENTS = 4096
+
 
 def compress_weights(model: ov.Model) -> ov.Model:
-    """A copy of ``model`` with 8-bit weights (NNCF's ``INT8_ASYM`` weight compression, every weighted op).
-
-    Raises:
-        QuantizationError: NNCF is missing or failed.
-    """
-    problem = nncf_problem()
-    if problem is not None:
-        raise QuantizationError(problem.replace("INT8 needs", "8-bit weights need"))
+    """A copy of ``model`` whose matmul and convolution weights are 8-bit (see the module's docstring)."""
     start = time.perf_counter()
-    try:
-        import nncf
-
-        model = model.clone()
-        # NNCF finds a projection's weight as a constant, not behind a split
-        share_weight_sections(model)
-        fold_weight_splits(model)
-        _transposed_weights_as_matmul_attributes(model)
-        level = logging.getLogger("nncf").level
-        nncf.set_log_level(logging.ERROR)  # (its per-model table of bit widths)
-        try:
-            compressed = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
-        finally:
-            nncf.set_log_level(level or logging.INFO)
-    except Exception as err:  # NNCF raises many kinds; the float model stays as it was
-        raise QuantizationError(f"NNCF could not compress the weights: {type(err).__name__}: {err}") from err
-    eight, total = _eight_bit_share(compressed)
+    model = model.clone()
+    share_weight_sections(model)  # a projection's weight as a constant, not behind a split
+    fold_weight_splits(model)
+    _transposed_weights_as_matmul_attributes(model)
+    done: dict[int, ov.Output] = {}  # a constant feeding several ops is compressed once
+    for op in model.get_ordered_ops():
+        kind = op.get_type_name()
+        if kind not in ("MatMul", "Convolution"):
+            continue
+        weight = op.input_value(1)
+        constant = weight.get_node()
+        if constant.get_type_name() != "Constant" or not constant.get_output_element_type(0).is_real():
+            continue
+        key = id(constant)
+        replacement = done.get(key)
+        if replacement is None:
+            axis = _channel_axis(op, len(constant.get_output_shape(0)))
+            if axis is None:
+                continue
+            replacement = _compressed(constant, axis, op.get_input_element_type(1))
+            if replacement is None:
+                continue
+            done[key] = replacement
+        op.input(1).replace_source_output(replacement)
+    model.validate_nodes_and_infer_types()
+    eight, total = _eight_bit_share(model)
     logger.info("compressed the weights to 8 bits in %.1fs: %d of %d weight elements", time.perf_counter() - start,
                 eight, total)
-    return compressed
+    return model
+
+
+def _channel_axis(op: ov.Node, rank: int) -> int | None:
+    """The axis of the weight's output channels (one scale each), or None when it has none to keep apart."""
+    if rank < 2:
+        return None
+    if op.get_type_name() == "Convolution":
+        return 0
+    return rank - 2 if op.get_attributes()["transpose_b"] else rank - 1
+
+
+def _compressed(constant: ov.Node, axis: int, float_type: ov.Type) -> ov.Output | None:
+    """The 8-bit weight, its zero points and scales, and the subgraph that gives the float weight back."""
+    data = constant.get_data()
+    if data.size < MIN_ELEMENTS:
+        return None
+    w = np.asarray(data, dtype=np.float32)
+    reduce = tuple(i for i in range(w.ndim) if i != axis)
+    low = np.minimum(w.min(axis=reduce, keepdims=True), 0.0)
+    high = np.maximum(w.max(axis=reduce, keepdims=True), 0.0)
+    scale = (high - low) / 255.0
+    scale[scale == 0] = 1.0
+    zero = np.clip(np.round(-low / scale), 0, 255)
+    q = np.clip(np.round(w / scale) + zero, 0, 255).astype(np.uint8)
+    scale16 = scale.astype(np.float16)
+    scale16[scale16 == 0] = np.float16(np.finfo(np.float16).tiny)  # (a scale below f16's range)
+    weight = ops.convert(ops.constant(q, dtype=ov.Type.u8), ov.Type.f16)
+    zero_point = ops.convert(ops.constant(zero.astype(np.uint8), dtype=ov.Type.u8), ov.Type.f16)
+    name = constant.get_friendly_name()
+    shifted = ops.subtract(weight, zero_point, name=f"{name}/zero_point/subtract")
+    unpacked = ops.multiply(shifted, ops.constant(scale16, dtype=ov.Type.f16), name=f"{name}/fq_weights")
+    return ops.convert(unpacked, float_type, name=f"{name}/fq_weights/convert").output(0)
 
 
 def _transposed_weights_as_matmul_attributes(model: ov.Model) -> int:
     """``MatMul(x, Transpose(W, [.., 1, 0]))`` -> ``MatMul(x, W, transpose_b=not transpose_b)``, where ``W`` is a
-    constant (``aten.t`` of a linear layer's weight, as the static trace gives it): NNCF compresses a matmul's
-    weight only where it is the constant itself. No data is copied. Returns how many were rewritten."""
+    constant (``aten.t`` of a linear layer's weight, as the static trace gives it), so that the weight is the
+    matmul's own constant. No data is copied. Returns how many were rewritten."""
     done = 0
     for op in model.get_ordered_ops():
         if op.get_type_name() != "MatMul":

@@ -16,8 +16,8 @@ logger = logging.getLogger(__name__)
 #: where the device has it; results differ slightly from PyTorch); "f32": f32 inference, which
 #: matches PyTorch closely; "int8": weights and activations quantized to 8 bits with NNCF, calibrated
 #: on the graph's first calls (which run at "auto"), the rest at the plugin's choice as for "auto";
-#: "int8-weights": the weights compressed to 8 bits with NNCF before each compile, the computation at the
-#: plugin's choice as for "auto" (least memory; see :mod:`ov_backend.compress`).
+#: "int8-weights": the weights compressed to 8 bits before each compile, the computation at the plugin's choice
+#: as for "auto" (least memory; see :mod:`ov_backend.compress`).
 PRECISION_CONFIG: dict[str, dict[str, str]] = {
     "auto": {},
     "f32": {"INFERENCE_PRECISION_HINT": "f32"},
@@ -29,7 +29,7 @@ QUANTIZED_PRECISIONS: frozenset[str] = frozenset({"int8"})
 #: Precisions whose models get 8-bit weights before they are compiled (see :mod:`ov_backend.compress`).
 COMPRESSED_PRECISIONS: frozenset[str] = frozenset({"int8-weights"})
 #: Precisions that need NNCF.
-NNCF_PRECISIONS: frozenset[str] = QUANTIZED_PRECISIONS | COMPRESSED_PRECISIONS
+NNCF_PRECISIONS: frozenset[str] = QUANTIZED_PRECISIONS
 #: The names, in the order a choice lists them (the default first).
 PRECISIONS: tuple[str, ...] = tuple(PRECISION_CONFIG)
 DEFAULT_PRECISION = PRECISIONS[0]

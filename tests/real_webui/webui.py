@@ -297,5 +297,10 @@ class WebUI:
         return size, rss
 
     def status(self) -> dict[str, Any]:
-        """The extension's report of its last run (``GET /openvino-accelerate/v1/status``)."""
-        return self.get("/openvino-accelerate/v1/status")
+        """The extension's report of its last run (``GET /openvino-accelerate/v1/status``), with the WebUI's
+        weight file pages as :meth:`weight_file_pages` reads them now (``"weight_file_pages"``: a stock
+        generation after it reads PyTorch's weights back)."""
+        status = self.get("/openvino-accelerate/v1/status")
+        if isinstance(status, dict) and self.process is not None:
+            status["weight_file_pages"] = list(self.weight_file_pages())
+        return status

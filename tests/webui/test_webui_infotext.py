@@ -36,6 +36,7 @@ ENTRIES = [
     ),
     ({"device": "AUTO", "precision": "f32", "model_caching": False, "cache_dir": "/c, d"}, "AUTO, UNet+VAE+TE, f32"),
     ({"step_cache": 3, "vae": False}, "CPU, UNet+TE, auto, step cache 3"),
+    ({"precision": "int8-weights"}, "CPU, UNet+VAE+TE, int8-weights"),
 ]
 #: The fields that describe this machine, not the image: deliberately not in the infotext.
 NOT_IN_INFOTEXT = {"model_caching", "cache_dir"}
