@@ -21,21 +21,6 @@ def int8(tmp_path: Any) -> Any:
     return build_settings({"precision": "int8", "cache_dir": str(tmp_path / "cache")})
 
 
-def test_the_first_generation_calibrates_then_the_unet_runs_int8(fake_host: Any, extension: Any, int8: Any) -> None:
-    first = extension.run(make_p(fake_host, steps=3), int8)
-    status = extension.last_status
-    assert "INT8: runs at float while 8 call(s) are recorded for calibration" in status, status
-    assert "INT8 quantization; calibrated on 3 recorded call(s)" in status, status
-    assert 'OpenVINO: "CPU, UNet+VAE+TE, int8"' in first.infotexts[0]
-
-    again = extension.run(make_p(fake_host, steps=3), int8)
-    status = extension.last_status
-    assert "INT8 model" in status and "INT8 quantization" not in status, status
-    assert status.count("INT8 model") == 1, status  # only the UNet: the VAE and text encoder stay at auto
-    assert extension.last_run_report()["ov_calls"] > 0
-    assert len(again.images) == 1
-
-
 def test_a_weight_change_runs_at_float_and_is_quantized_again(fake_host: Any, extension: Any, int8: Any) -> None:
     int8 = dataclasses.replace(int8, vae=False, text_encoder=False)
     extension.run(make_p(fake_host, steps=2), int8)
@@ -76,11 +61,13 @@ def test_precompile_does_not_calibrate_the_next_generation_does(fake_host: Any, 
     assert "INT8 quantization; calibrated on 5 recorded call(s)" in extension.last_status, extension.last_status
 
 
-def test_switching_precision_releases_the_other_precisions_unet(
+def test_the_first_generation_calibrates_then_the_unet_runs_int8_and_switching_precision_releases_the_other(
     fake_host: Any, extension: Any, int8: Any, monkeypatch: Any
 ) -> None:
-    """The UNet compiled at Automatic must not stay in memory beside the INT8 one (nor the other way round):
-    switching releases it (its converted model stays, so going back costs a compile, not a conversion)."""
+    """The first INT8 generation runs the UNet at float while its calls are recorded, and quantizes at its end;
+    the next runs the INT8 UNet (the VAE and text encoder stay at auto). The UNet compiled at Automatic must not
+    stay in memory beside the INT8 one (nor the other way round): switching releases it (its converted model
+    stays, so going back costs a compile, not a conversion)."""
     import gc
     import weakref
 
@@ -103,10 +90,19 @@ def test_switching_precision_releases_the_other_precisions_unet(
     at_auto = alive()  # UNet, VAE decoder and text encoder
     assert at_auto >= 3
 
-    extension.run(make_p(fake_host, steps=3), int8)
+    first = extension.run(make_p(fake_host, steps=3), int8)
     status = extension.last_status
+    assert "INT8: runs at float while 8 call(s) are recorded for calibration" in status, status
+    assert "INT8 quantization; calibrated on 3 recorded call(s)" in status, status
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, int8"' in first.infotexts[0]
     assert "Released 1 compiled model(s)" in status and "precisions" in status, status
-    extension.run(make_p(fake_host, steps=3), int8)  # the INT8 UNet compiled: still one UNet in memory
+
+    again = extension.run(make_p(fake_host, steps=3), int8)  # the INT8 UNet compiled: still one UNet in memory
+    status = extension.last_status
+    assert "INT8 model" in status and "INT8 quantization" not in status, status
+    assert status.count("INT8 model") == 1, status  # only the UNet: the VAE and text encoder stay at auto
+    assert extension.last_run_report()["ov_calls"] > 0
+    assert len(again.images) == 1
     assert alive() == at_auto, status
 
     back = extension.run(make_p(fake_host, steps=3), auto)
