@@ -15,11 +15,14 @@
 
 A backend variant named with a third part, ``/plain`` (``ov_dynamic/auto/plain``), converts without the
 backend's graph rewrites (its option ``rewrites=[]``, see ``ov_backend.rewrites``): what they gain, measured
-in the same run.
+in the same run. With ``/file`` (``ov_dynamic/auto/file``) it keeps PyTorch's copy of the weights in a
+memory-mapped file (its option ``weights_in_file``, see ``ov_backend.weight_file``): the memory it saves and
+what it costs per call, measured in the same run.
 
 The OpenVINO variants run at a precision: "auto" (no ``INFERENCE_PRECISION_HINT``: the CPU
 plugin picks bf16 on CPUs that have it) or "f32"; ``ov_backend`` and ``ov_dynamic`` also at "int8"
-(NNCF, see ``ov_backend.quantize``): their first call first runs :data:`INT8_CALIBRATION_CALLS` calls
+(NNCF, see ``ov_backend.quantize``), and the backend kinds at "int8-weights" (``ov_backend.compress``): the
+int8 variants' first call first runs :data:`INT8_CALIBRATION_CALLS` calls
 at float on varied copies of the inputs (recorded for calibration), then quantizes, so the first
 call's time includes what calibration costs.
 """
@@ -50,9 +53,11 @@ KINDS: tuple[str, ...] = ("eager", "ov_backend", "ov_dynamic", "ov_shared", "sta
 STEP_CACHE_KINDS: frozenset[str] = frozenset({"ov_full", "ov_shallow"})
 #: kinds run by ov_backend
 BACKEND_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic", "ov_shared"}) | STEP_CACHE_KINDS
-PRECISIONS: tuple[str, ...] = ("auto", "f32", "int8")
+PRECISIONS: tuple[str, ...] = ("auto", "f32", "int8", "int8-weights")
 #: the third part of a backend variant's name that turns the backend's graph rewrites off
 PLAIN = "plain"
+#: the third part of a backend variant's name that keeps PyTorch's copy of the weights in a memory-mapped file
+IN_FILE = "file"
 #: kinds that run at "int8"
 INT8_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic"}) | STEP_CACHE_KINDS
 #: calls recorded (at float) before an int8 variant quantizes
@@ -71,17 +76,21 @@ class VariantSpec:
         kind: one of :data:`KINDS`.
         precision: "auto" or "f32" for OpenVINO kinds; "fp32" for eager.
         rewrites: a backend kind applies the backend's graph rewrites (False: the ``/plain`` variant).
+        weights_in_file: a backend kind keeps PyTorch's copy of the weights in a memory-mapped file (the ``/file``
+            variant).
     """
 
     kind: str
     precision: str = "fp32"
     rewrites: bool = True
+    weights_in_file: bool = False
 
     @property
     def name(self) -> str:
         if self.kind == "eager":
             return self.kind
-        return f"{self.kind}/{self.precision}" + ("" if self.rewrites else f"/{PLAIN}")
+        return (f"{self.kind}/{self.precision}" + ("" if self.rewrites else f"/{PLAIN}")
+                + (f"/{IN_FILE}" if self.weights_in_file else ""))
 
     @property
     def config(self) -> dict[str, str]:
@@ -112,12 +121,15 @@ def parse_variant(name: str) -> VariantSpec:
         return VariantSpec("eager")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} in {name!r}; use {kind}/auto or {kind}/f32")
+    if precision == "int8-weights" and kind not in BACKEND_KINDS:
+        raise ValueError(f"{name!r}: int8-weights is a precision of {', '.join(sorted(BACKEND_KINDS))} only")
     if precision == "int8" and kind not in INT8_KINDS:
         raise ValueError(f"{name!r}: int8 is a precision of {' and '.join(sorted(INT8_KINDS))} only")
-    if variation and (variation != PLAIN or kind not in BACKEND_KINDS):
-        raise ValueError(f"{name!r}: the only third part is {PLAIN!r} (no graph rewrites), for "
+    if variation and (variation not in (PLAIN, IN_FILE) or kind not in BACKEND_KINDS):
+        raise ValueError(f"{name!r}: the third part is {PLAIN!r} (no graph rewrites) or {IN_FILE!r} (PyTorch's "
+                         f"weights in a memory-mapped file), for "
                          f"{', '.join(sorted(BACKEND_KINDS))} only")
-    return VariantSpec(kind, precision, rewrites=not variation)
+    return VariantSpec(kind, precision, rewrites=variation != PLAIN, weights_in_file=variation == IN_FILE)
 
 
 @dataclass
@@ -247,10 +259,14 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
                                "config": spec.config}
     if spec.precision == "int8":
         options.update(precision="int8", calibration_samples=INT8_CALIBRATION_CALLS)
+    elif spec.precision == "int8-weights":
+        options["precision"] = "int8-weights"
     # one shape per run: "auto" compiles ov_dynamic per shape, as a generation at one size does
     options["shared_shapes"] = "always" if spec.kind == "ov_shared" else "auto"
     if not spec.rewrites:
         options["rewrites"] = []
+    if spec.weights_in_file:
+        options["weights_in_file"] = True
     backend = OVBackend(options)
     if spec.kind in STEP_CACHE_KINDS:
         module = StepCacheCall(module, spec.kind == "ov_shallow", inputs)

@@ -170,6 +170,8 @@ class Scenario:
         alive = True
         if self.config.previous_weights:
             self.ui.call("/sdapi/v1/options", {"openvino_previous_weights": self.config.previous_weights})
+        if self.config.weights_in_file:
+            self.ui.call("/sdapi/v1/options", {"openvino_weights_in_file": self.config.weights_in_file == "on"})
         for mode in ("stock", *self.config.precisions):
             if mode != "stock":
                 self.forget_conditioning()
@@ -254,6 +256,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--previous-weights", choices=PREVIOUS_WEIGHTS,
                    help="the extension's setting for the previous checkpoint's or LoRA's compiled models "
                         "(default: the WebUI's, auto)")
+    p.add_argument("--weights-in-file", choices=("on", "off"),
+                   help="the extension's setting for PyTorch's copy of the accelerated weights: in a memory-mapped "
+                        "file (on) or in memory beside OpenVINO's (off) (default: the WebUI's, on)")
     p.add_argument("--note", help="a sentence printed above the tables (e.g. what else ran on the machine)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each row as it is measured")
     return p
@@ -268,7 +273,8 @@ def main(argv: Sequence[str]) -> int:
                "steps": args.steps, "sizes": tuple(args.sizes) if args.sizes else None, "batch": args.batch,
                "rows": tuple(args.rows) if args.rows else None,
                "testbed": args.testbed, "out": args.out, "name": args.name, "work_dir": args.work_dir,
-               "min_available_gib": args.min_available_gib, "previous_weights": args.previous_weights}
+               "min_available_gib": args.min_available_gib, "previous_weights": args.previous_weights,
+               "weights_in_file": args.weights_in_file}
     try:
         config = build_settings(options)
     except ValueError as err:

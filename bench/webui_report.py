@@ -64,7 +64,8 @@ def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
                      "steps": config.steps,
                      "sizes": ["x".join(map(str, s)) for s in config.sizes], "batch": config.batch,
                      "rows": list(config.rows), "sampler": "Euler", "cfg_scale": 7,
-                     "testbed": testbed_label(Path(config.testbed)), "previous_weights": config.previous_weights},
+                     "testbed": testbed_label(Path(config.testbed)), "previous_weights": config.previous_weights,
+                     "weights_in_file": config.weights_in_file},
     }
 
 
@@ -112,7 +113,10 @@ def _machine_lines(results: dict[str, Any]) -> list[str]:
         f"- Requests: txt2img, Euler, {s['steps']} steps, CFG {s['cfg_scale']}, sizes {', '.join(s['sizes'])}, "
         f"a new prompt each time; {model_title(s)}{'' if s['tiny'] else ' (random weights)'}",
     ] + ([f"- The extension's setting for the previous weights' compiled models: {s['previous_weights']}"]
-         if s.get("previous_weights") else []) + ([f"- Note: {results['note']}"] if results.get("note") else [])
+         if s.get("previous_weights") else []) + (
+        [f"- PyTorch's copy of the accelerated weights in a memory-mapped file (the extension's setting): "
+         f"{s['weights_in_file']}"] if s.get("weights_in_file") else []) + (
+        [f"- Note: {results['note']}"] if results.get("note") else [])
 
 
 def markdown(results: dict[str, Any]) -> str:

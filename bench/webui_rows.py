@@ -23,7 +23,7 @@ MODELS = ("sd15", "sdxl")
 NOT_SDXL = ("switch", "switch_back", "lora", "lora_change")
 FULL_LORA = "bench-lora-sd15"
 TINY_LORA = "ovtest-lora"  # written by tests/real_webui/make_models.py
-PRECISION_KEYS = ("auto", "f32", "int8")
+PRECISION_KEYS = ("auto", "f32", "int8", "int8-weights")
 
 
 class Row(NamedTuple):
@@ -114,6 +114,9 @@ class WebUIBenchSettings:
     previous_weights: str = ""
     """The extension's setting for the compiled models of the weights used before a change ("auto", "keep",
     "release"), set before the accelerated requests; empty: the WebUI's (default "auto")."""
+    weights_in_file: str = ""
+    """The extension's setting for PyTorch's copy of the accelerated weights ("on": in a memory-mapped file, "off":
+    in memory beside OpenVINO's), set before the first accelerated request; empty: the WebUI's (default on)."""
 
 
 TINY_SIZES = ((64, 64), (96, 64), (64, 96))
@@ -159,6 +162,8 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
         config = dataclasses.replace(config, rows=tuple(key for key in keys if key in wanted))
     if config.previous_weights and config.previous_weights not in PREVIOUS_WEIGHTS:
         raise ValueError(f"previous_weights must be {' or '.join(PREVIOUS_WEIGHTS)}, got {config.previous_weights!r}")
+    if config.weights_in_file not in ("", "on", "off"):
+        raise ValueError(f"weights_in_file must be on or off, got {config.weights_in_file!r}")
     if config.batch < 2:
         raise ValueError(f"batch must be at least 2, got {config.batch}")
     if not testbed_ready(Path(config.testbed)):
