@@ -169,6 +169,10 @@ class Backends:
             files = list(self._weight_files.values())
         for weight_file in files:
             weight_file.drop_resident()
+        if files:
+            from ov_backend.weight_file import give_back_freed_memory
+
+            give_back_freed_memory()  # (what the generation freed in the C heap, e.g. its activations)
 
     def weights_in_files(self) -> tuple[int, int | None]:
         """Bytes of PyTorch's weights in files, and of their pages in the process now (None: unknown)."""

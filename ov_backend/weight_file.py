@@ -23,6 +23,7 @@ POSIX only (``mmap`` with ``madvise`` and ``posix_fallocate``); elsewhere nothin
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -53,6 +54,18 @@ MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 PACKING_DROP_SECONDS = 0.5
 #: Pages dropped from the process at most this many bytes at a time while tensors move in.
 _DROP_EVERY = 256 << 20
+
+
+def give_back_freed_memory() -> None:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``): tensors below glibc's mmap threshold
+    (up to 32 MiB: most of a UNet's weights) live in its heap, and freeing them leaves their pages in the process
+    until it is trimmed. A no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _aligned(n: int) -> int:
@@ -105,8 +118,6 @@ class _Mapping:
         self.start = self.address()
 
     def address(self) -> int:
-        import ctypes
-
         view = (ctypes.c_char * 1).from_buffer(self.mm)
         try:
             return ctypes.addressof(view)
@@ -216,6 +227,7 @@ class WeightFile:
         mapping.mm.madvise(mmap.MADV_DONTNEED)
         with self._lock:
             self._maps.append(mapping)
+        give_back_freed_memory()  # the old storages were freed; most were in the C heap
         result.moved_bytes = sum(t.numel() * t.element_size() for t in todo)
         result.seconds = time.perf_counter() - start
         logger.info("moved %s of weights (%d tensors) into a memory-mapped file in %s in %.1fs",
@@ -364,3 +376,4 @@ class WeightHome:
             done.set()
             dropper.join()
             self.file.drop_resident()
+            give_back_freed_memory()  # what compiling freed

@@ -146,7 +146,8 @@ def test_precision_names_map_to_the_plugin_hint() -> None:
     assert dataclasses.replace(f32, precision="auto").result_key() == build_settings({}).result_key()
     with pytest.raises(ValueError, match="INFERENCE_PRECISION_HINT=bf16; give one of them"):
         dataclasses.replace(build_settings({"config": {"INFERENCE_PRECISION_HINT": "bf16"}}), precision="f32")
-    with pytest.raises(ValueError, match=r"'precision' must be one of \['auto', 'f32', 'int8', 'int8-weights'\], got 'bf16'"):
+    with pytest.raises(ValueError,
+                       match=r"'precision' must be one of \['auto', 'f32', 'int8', 'int8-weights'\], got 'bf16'"):
         build_settings({"precision": "bf16"})
     with pytest.raises(ValueError, match="INFERENCE_PRECISION_HINT=bf16; give one of them"):
         build_settings({"precision": "f32", "config": {"INFERENCE_PRECISION_HINT": "bf16"}})
