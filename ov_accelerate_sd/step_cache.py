@@ -408,7 +408,9 @@ class StepCacheRun:
         output, feature = self._timed("full", run, args, kwargs)
         self.full_calls += 1
         if self.step is not None:
-            self._keep(_Kept(module, weights, tuple(x.shape), context, extra, feature))
+            # the weights as the call left them: its first call may have moved them into the backend's weight file
+            # (same values, new storage: ov_backend.weight_file), which is no change of the feature's weights
+            self._keep(_Kept(module, weights_version(module), tuple(x.shape), context, extra, feature))
         return output
 
     def _timed(self, kind: str, run: Callable[[str, tuple[Any, ...], dict[str, Any]], Any], args: tuple[Any, ...],
