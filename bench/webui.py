@@ -172,7 +172,7 @@ class Scenario:
             self.ui.call("/sdapi/v1/options", {"openvino_previous_weights": self.config.previous_weights})
         if self.config.weights_in_file:
             self.ui.call("/sdapi/v1/options", {"openvino_weights_in_file": self.config.weights_in_file == "on"})
-        for mode in ("stock", *self.config.precisions):
+        for mode in (() if self.config.accelerated_only else ("stock",)) + tuple(self.config.precisions):
             if mode != "stock":
                 self.forget_conditioning()
             for row in ROWS:
@@ -259,6 +259,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-in-file", choices=("on", "off"),
                    help="the extension's setting for PyTorch's copy of the accelerated weights: in a memory-mapped "
                         "file (on) or in memory beside OpenVINO's (off) (default: the WebUI's, on)")
+    p.add_argument("--accelerated-only", action="store_true",
+                   help="no stock requests: the WebUI process's peak RSS (VmHWM) is then the accelerated requests' own "
+                        "(after stock's, it is at least stock's); the stock columns stay empty")
     p.add_argument("--note", help="a sentence printed above the tables (e.g. what else ran on the machine)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each row as it is measured")
     return p
@@ -274,7 +277,7 @@ def main(argv: Sequence[str]) -> int:
                "rows": tuple(args.rows) if args.rows else None,
                "testbed": args.testbed, "out": args.out, "name": args.name, "work_dir": args.work_dir,
                "min_available_gib": args.min_available_gib, "previous_weights": args.previous_weights,
-               "weights_in_file": args.weights_in_file}
+               "weights_in_file": args.weights_in_file, "accelerated_only": args.accelerated_only}
     try:
         config = build_settings(options)
     except ValueError as err:

@@ -114,6 +114,8 @@ class WebUIBenchSettings:
     previous_weights: str = ""
     """The extension's setting for the compiled models of the weights used before a change ("auto", "keep",
     "release"), set before the accelerated requests; empty: the WebUI's (default "auto")."""
+    accelerated_only: bool = False
+    """No stock requests: the process's peak RSS is then the accelerated requests' own (see ``--accelerated-only``)."""
     weights_in_file: str = ""
     """The extension's setting for PyTorch's copy of the accelerated weights ("on": in a memory-mapped file, "off":
     in memory beside OpenVINO's), set before the first accelerated request; empty: the WebUI's (default on)."""
