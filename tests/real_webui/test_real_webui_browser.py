@@ -50,6 +50,7 @@ PRECISION_CHOICES = (
     "Automatic (fastest the device supports)",
     "Full precision (f32)",
     "INT8 UNet (calibrated on your first generation; needs NNCF)",
+    "8-bit weights (least memory: UNet and text encoder; computes at Automatic)",
 )
 
 
