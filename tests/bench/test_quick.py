@@ -72,12 +72,14 @@ def test_settings_reject_bad_values():
         build_settings({"variants": ["static/auto"]})
     with pytest.raises(ValueError, match="unknown precision"):
         build_settings({"variants": ["eager", "static/fp16"]})
-    with pytest.raises(ValueError, match="the only third part is 'plain'"):
+    with pytest.raises(ValueError, match="the third part is 'plain' .* or 'file'"):
         build_settings({"variants": ["eager", "static/auto/plain"]})
-    with pytest.raises(ValueError, match="the only third part is 'plain'"):
+    with pytest.raises(ValueError, match="the third part is 'plain' .* or 'file'"):
         build_settings({"variants": ["eager", "ov_dynamic/auto/fast"]})
-    assert build_settings({"variants": ["eager", "ov_dynamic/int8/plain"]}).variants == (
-        "eager", "ov_dynamic/int8/plain")
+    with pytest.raises(ValueError, match="int8-weights is a precision of"):
+        build_settings({"variants": ["eager", "static/int8-weights"]})
+    chosen = ["eager", "ov_dynamic/int8/plain", "ov_dynamic/int8-weights/file"]
+    assert build_settings({"variants": chosen}).variants == tuple(chosen)
     with pytest.raises(ValueError, match="unknown benchmark setting"):
         build_settings({"round": 3})
     assert build_settings({"quick": True}).size == 64
