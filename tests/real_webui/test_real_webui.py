@@ -355,15 +355,23 @@ def test_live_preview_during_an_accelerated_generation(webui: WebUI) -> None:
         webui.call("/sdapi/v1/options", {"live_previews_enable": False})
 
 
+def stock_then_accelerated(webui: WebUI, payload: dict[str, Any],
+                           args: list[Any]) -> tuple[Result, Result, dict[str, Any]]:
+    """Stock's picture for ``payload`` (its text encoder run anew), then the dropdown entry's with ``args``, and its
+    status, which must show every part called through OpenVINO."""
+    stock = webui.generate(dict(payload, override_settings=dict(payload["override_settings"],
+                                                                sdxl_crop_top=next(_unique))))
+    fast = webui.generate(accelerated(payload, args))
+    status = webui.status()
+    assert_ran_in_openvino(status)
+    return stock, fast, status
+
+
 def test_int8_unet_calibrates_on_the_first_generation_then_runs_quantized(webui: WebUI) -> None:
     """INT8: the first generation runs the UNet at float while its steps are recorded, and the UNet is
     quantized (NNCF, installed by install.py) at its end; the next generation runs the INT8 model."""
     payload = request("a red barn in a field, int8", steps=4)
-    stock = webui.generate(dict(payload, override_settings=dict(payload["override_settings"],
-                                                                sdxl_crop_top=next(_unique))))
-    first = webui.generate(accelerated(payload, INT8_ARGS))
-    status = webui.status()
-    assert_ran_in_openvino(status)
+    stock, first, status = stock_then_accelerated(webui, payload, INT8_ARGS)
     text = status["status"]
     assert "INT8: runs at float while 8 call(s) are recorded for calibration" in text, text
     assert "INT8 quantization; calibrated on 4 recorded call(s)" in text, text  # 4 steps, cond+uncond batched
@@ -394,12 +402,8 @@ def test_eight_bit_weights_make_a_picture_close_to_stock_and_say_so(webui: WebUI
     """8-bit weights: the UNet's and text encoder's weights compressed to 8 bits,
     computing at Automatic; the VAE at Automatic. The picture stays close to stock f32's, the status and the
     infotext say what ran, and PyTorch's copy stays in the weight file."""
-    payload = request("a red barn in a field, 8-bit weights", steps=4)
-    stock = webui.generate(dict(payload, override_settings=dict(payload["override_settings"],
-                                                                sdxl_crop_top=next(_unique))))
-    fast = webui.generate(accelerated(payload, W8_ARGS))
-    status = webui.status()
-    assert_ran_in_openvino(status)
+    stock, fast, status = stock_then_accelerated(webui, request("a red barn in a field, 8-bit weights", steps=4),
+                                                 W8_ARGS)
     assert_no_pytorch_copy_held(webui, status)
     assert 'OpenVINO: "CPU, UNet+VAE+TE, int8-weights"' in fast.infotexts[0]
     compiled = [line for line in status["status"].splitlines() if "OpenVINO partition" in line]
