@@ -44,7 +44,8 @@ class CompiledGraph:
         self.inputs = GraphInputs(gm, facts)
         self._lock = threading.RLock()
         self._weights = WeightVariants(self.inputs, name, context.digests, self._lock,
-                                       on_hash=lambda s: context.stats.add(compile_seconds=s, hash_seconds=s))
+                                       on_hash=lambda s: context.stats.add(compile_seconds=s, hash_seconds=s),
+                                       hashing=context.weights.packing if context.weights is not None else nullcontext)
         self._builder = GraphBuilder(context, self.inputs, name)
         #: (weights fingerprint, signature) -> the use window of its last call
         self._last_used: dict[tuple[str, Any], int] = {}

@@ -17,6 +17,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,15 +224,19 @@ class WeightVariants:
         lock: the graph's lock (re-entrant), held while the current set changes.
         on_hash: called with the seconds each new set of weights took to fingerprint (part of the cost of
             getting a graph ready for them).
+        hashing: the context the fingerprinting runs in (the backend's weight file drops the pages it reads:
+            hashing reads every weight, a full SDXL's 12 GiB).
     """
 
     def __init__(self, inputs: GraphInputs, name: str, digests: weights.DigestMemo,
-                 lock: threading.RLock, on_hash: Callable[[float], None] | None = None) -> None:
+                 lock: threading.RLock, on_hash: Callable[[float], None] | None = None,
+                 hashing: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
         self._inputs = inputs
         self._name = name
         self._digests = digests
         self._lock = lock
         self._on_hash = on_hash
+        self._hashing = hashing
         self._watch: weights.WeightWatch | None = None
         self._fingerprint: str | None = None
         self._by_weights: OrderedDict[str, WeightSet] = OrderedDict()
@@ -247,7 +252,8 @@ class WeightVariants:
                 return self._fingerprint, self._by_weights[self._fingerprint]
             self._inputs.check_loaded(weight_values)
             start = time.perf_counter()
-            fp = weights.fingerprint(weight_values, self._digests)
+            with self._hashing():
+                fp = weights.fingerprint(weight_values, self._digests)
             seconds = time.perf_counter() - start
             if self._on_hash is not None:
                 self._on_hash(seconds)

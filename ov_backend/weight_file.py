@@ -358,16 +358,17 @@ class WeightHome:
 
     @contextmanager
     def packing(self) -> Iterator[None]:
-        """While OpenVINO compiles a model and packs its weights (its first inference): it reads each weight
-        once, so the pages it has read are taken out of the process every :data:`PACKING_DROP_SECONDS`
-        instead of all at the end, and the file's pages never add up to a whole model beside OpenVINO's
-        copy (a full SDXL UNet: 9.6 GiB at f32). Afterwards every page goes."""
+        """While OpenVINO compiles a model and packs its weights (its first inference), or the weights are
+        fingerprinted: each weight is read once, so the pages read are taken out of the process every
+        :data:`PACKING_DROP_SECONDS` instead of all at the end, and the file's pages never add up to a whole
+        model beside OpenVINO's copy (a full SDXL UNet: 9.6 GiB at f32). Afterwards every page goes."""
         done = threading.Event()
 
         def drop() -> None:
             while not done.wait(PACKING_DROP_SECONDS):
                 self.file.drop_resident()
 
+        self.file.drop_resident()  # (what read them before, e.g. fingerprinting, left them in)
         dropper = threading.Thread(target=drop, name="ov_backend_weight_pages", daemon=True)
         dropper.start()
         try:
