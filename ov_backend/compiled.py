@@ -146,23 +146,27 @@ class CompiledGraph:
         self._last_used[(fp, sig)] = self._weights_used[fp] = window
         return fp, store, variant, built
 
+    def _run(self, variant: Any, built: bool, user_values: Any) -> Any:
+        """Run ``variant``; its first run after a build packs the model's weights (OpenVINO's copy is made), while
+        the weight file's pages leave the process."""
+        home = self.context.weights
+        with home.packing() if built and home is not None else nullcontext():
+            return variant.run(user_values)
+
     def __call__(self, *args: Any) -> Any:
         weight_values, user_values = self.inputs.split(args)
         sig = signature(user_values, self.inputs.scalar_tensors)
         fp, store, variant, built = self._variant(sig, user_values, weight_values)
-        home = self.context.weights
         start = time.perf_counter()
         try:
             try:
-                # a model's first run packs its weights: OpenVINO's copy is made, PyTorch's pages can leave
-                with home.packing() if built and home is not None else nullcontext():
-                    result = variant.run(user_values)
+                result = self._run(variant, built, user_values)
             except ModelReleased:  # its owner released the borrowed model after the check: build again
                 with self._lock:
                     if store.variants.get(sig) is variant:
                         del store.variants[sig]
                 fp, store, variant, built = self._variant(sig, user_values, weight_values)
-                result = variant.run(user_values)
+                result = self._run(variant, built, user_values)
         except Exception as err:  # OpenVINO runtime errors come as RuntimeError and others
             if not variant.in_openvino:
                 raise

@@ -274,7 +274,7 @@ class WeightVariants:
         (:mod:`ov_backend.weight_file`): watch them where they are now, under the same fingerprint and
         digests, without hashing them again."""
         with self._lock:
-            known = [self._digests.lookup_moved(t) for t in weight_values]
+            known = [self._digests.lookup(t, moved=True) for t in weight_values]
             for t, digest in zip(weight_values, known):
                 if digest is not None:
                     self._digests.remember(t, digest)

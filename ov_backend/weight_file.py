@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,6 +67,10 @@ def give_back_freed_memory() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _aligned(n: int) -> int:
@@ -173,24 +178,17 @@ class WeightFile:
         """
         result = MoveResult()
         skip_ids = {id(t) for t in skip}
+        unique = list({id(t): t for t in tensors}.values())
+        sharing = Counter(t.untyped_storage().data_ptr() for t in unique)
         todo: list[torch.Tensor] = []
-        storages: dict[int, int] = {}
-        for t in tensors:
-            storages[t.untyped_storage().data_ptr()] = storages.get(t.untyped_storage().data_ptr(), 0) + 1
-        seen: set[int] = set()
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            if t.device.type != "cpu" or nbytes == 0:
-                continue
-            if self.holds(t):
+        for t in unique:
+            nbytes = _nbytes(t)
+            if t.device.type != "cpu" or nbytes == 0 or self.holds(t):
                 continue
             if id(t) in skip_ids:
                 result.keep("read by a model converted before it could move", nbytes)
             elif not t.is_contiguous() or t.storage_offset() != 0 \
-                    or t.untyped_storage().nbytes() != nbytes or storages[t.untyped_storage().data_ptr()] > 1:
+                    or t.untyped_storage().nbytes() != nbytes or sharing[t.untyped_storage().data_ptr()] > 1:
                 result.keep("a view of a larger tensor", nbytes)
             elif t.requires_grad and not isinstance(t, torch.nn.Parameter):
                 result.keep("needs grad", nbytes)
@@ -198,22 +196,22 @@ class WeightFile:
                 todo.append(t)
         if not todo:
             return result
-        total = sum(_aligned(t.numel() * t.element_size()) for t in todo)
+        size = sum(_nbytes(t) for t in todo)
+        total = sum(_aligned(_nbytes(t)) for t in todo)
         why = self.unavailable() or self._no_room(total)
         if why is not None:
-            result.keep(why, sum(t.numel() * t.element_size() for t in todo))
+            result.keep(why, size)
             return result
         start = time.perf_counter()
         try:
             mapping = self._map_new(total)
         except OSError as err:
-            result.keep(f"the weights file could not be made in {self.folder} ({err})",
-                        sum(t.numel() * t.element_size() for t in todo))
+            result.keep(f"the weights file could not be made in {self.folder} ({err})", size)
             return result
         offset = since_drop = 0
         with torch.no_grad():
             for t in todo:
-                nbytes = t.numel() * t.element_size()
+                nbytes = _nbytes(t)
                 dest = torch.frombuffer(mapping.mm, dtype=torch.uint8, count=nbytes, offset=offset)
                 dest.copy_(t.reshape(-1).view(torch.uint8))
                 target = dest.view(t.dtype)
@@ -228,7 +226,7 @@ class WeightFile:
         with self._lock:
             self._maps.append(mapping)
         give_back_freed_memory()  # the old storages were freed; most were in the C heap
-        result.moved_bytes = sum(t.numel() * t.element_size() for t in todo)
+        result.moved_bytes = size
         result.seconds = time.perf_counter() - start
         logger.info("moved %s of weights (%d tensors) into a memory-mapped file in %s in %.1fs",
                     format_bytes(result.moved_bytes), len(todo), self.folder, result.seconds)

@@ -118,19 +118,12 @@ class DigestMemo:
         self._lock = threading.Lock()
         self._known: dict[int, tuple[_State, bytes]] = {}
 
-    def lookup(self, t: torch.Tensor) -> bytes | None:
+    def lookup(self, t: torch.Tensor, moved: bool = False) -> bytes | None:
+        """The digest remembered for ``t`` while it is unchanged; with ``moved``, even if its storage or version
+        changed since (its bytes moved unchanged to other memory: the caller knows they are the same)."""
         with self._lock:
             found = self._known.get(id(t))
-        if found is not None and _same(t, found[0]):
-            return found[1]
-        return None
-
-    def lookup_moved(self, t: torch.Tensor) -> bytes | None:
-        """The digest remembered for ``t`` even if its storage or version changed since: for a tensor
-        whose bytes moved unchanged to other memory (the caller knows they are the same)."""
-        with self._lock:
-            found = self._known.get(id(t))
-        if found is not None and found[0][0]() is t:
+        if found is not None and (found[0][0]() is t if moved else _same(t, found[0])):
             return found[1]
         return None
 
