@@ -52,6 +52,9 @@ class BackendChoice:
     weights_in_file: bool = True
     """PyTorch's copy of the weights OpenVINO runs moves into a memory-mapped file (``cache_dir``/weights) before
     the first conversion, so memory holds one copy of each (``ov_backend`` option ``weights_in_file``)."""
+    cache_max_bytes: int | None = None
+    """The disk cache's size limit in bytes (``ov_backend`` option ``cache_max_bytes``; 0: no limit); None:
+    ov_backend's default."""
 
     @property
     def quantized(self) -> bool:
@@ -69,6 +72,8 @@ class BackendChoice:
                                    "precision": self.precision, "weights_in_file": self.weights_in_file}
         if self.cache_dir is not None:
             options["cache_dir"] = self.cache_dir
+        if self.cache_max_bytes is not None:
+            options["cache_max_bytes"] = self.cache_max_bytes
         return options
 
 
@@ -94,7 +99,8 @@ class Backends:
     """One ``OVBackend`` and its ``GraphRunCounter`` per :class:`BackendChoice`, made on first use (thread-safe).
 
     The backends of one cache folder share one ``ov_backend.WeightFile`` (the same module may be compiled by
-    several: a part at f32 after an overflow at *Automatic*), so they agree on which weights moved.
+    several: a part at f32 after an overflow at *Automatic*), so they agree on which weights moved, and one
+    ``ov_backend.ModelCache``, so that none prunes an entry another one uses.
 
     Args:
         make: (choice, weight file or None) -> backend (default: ``OVBackend`` of the choice's options).
@@ -106,6 +112,8 @@ class Backends:
         self._counters: dict[BackendChoice, GraphRunCounter] = {}
         #: weights folder -> the file weights move into
         self._weight_files: dict[str, Any] = {}
+        #: cache folder -> its ModelCache (what its backends use of it)
+        self._caches: dict[str, Any] = {}
 
     def counter(self, choice: BackendChoice) -> GraphRunCounter:
         """The counting backend of ``choice`` (what ``torch.compile`` gets), made if it is new.
@@ -116,7 +124,7 @@ class Backends:
         with self._lock:
             counter = self._counters.get(choice)
             if counter is None:
-                from ov_backend import GraphRunCounter, OVBackend, WeightFile, build_settings
+                from ov_backend import GraphRunCounter, ModelCache, OVBackend, WeightFile, build_settings
 
                 settings = build_settings(choice.options())
                 weight_file = None
@@ -125,7 +133,10 @@ class Backends:
                     weight_file = self._weight_files.get(folder)
                     if weight_file is None:
                         weight_file = self._weight_files[folder] = WeightFile(settings.cache_dir / "weights")
-                make = self._make or (lambda c, w: OVBackend(settings, weight_file=w))
+                cache = self._caches.get(str(settings.cache_dir))
+                if cache is None:
+                    cache = self._caches[str(settings.cache_dir)] = ModelCache(settings.cache_dir)
+                make = self._make or (lambda c, w: OVBackend(settings, weight_file=w, cache=cache))
                 backend = make(choice, weight_file)
                 counter = self._counters[choice] = GraphRunCounter(backend)
             return counter
@@ -180,6 +191,16 @@ class Backends:
             files = list(self._weight_files.values())
         resident = [f.resident_bytes() for f in files]
         return sum(f.file_bytes() for f in files), None if None in resident else sum(r or 0 for r in resident)
+
+    def cache_usage(self) -> dict[str, Any]:
+        """Per cache folder of a backend with the disk cache on: its ``ov_backend.CacheUsage`` (size, limit, in
+        use), measured now."""
+        usages: dict[str, Any] = {}
+        for backend in self.all():
+            folder = str(backend.settings.cache_dir)
+            if backend.settings.model_caching and folder not in usages:
+                usages[folder] = backend.cache_usage()
+        return usages
 
     def mark(self) -> Mark:
         backends = self._by_choice()

@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import openvino as ov
 import torch
 
-from ov_backend import devices, rewrites
+from ov_backend import cache_limit, devices, rewrites
 from ov_backend.cache import ModelCache
 from ov_backend.compiled import CompiledGraph
 from ov_backend.compress import compress_weights
@@ -50,13 +50,17 @@ class OVBackend:
         weight_file: with ``weights_in_file``, the :class:`~ov_backend.weight_file.WeightFile` weights move
             into, shared with other backends that compile the same modules (default: one of this backend's
             own, in ``cache_dir``/weights).
+        cache: the :class:`ModelCache` of ``cache_dir``, shared with other backends of this process that use the
+            same folder, so that none prunes an entry another one uses (default: one of this backend's own).
     """
 
     def __init__(self, settings: BackendSettings | Mapping[str, Any] | None = None,
-                 weight_file: WeightFile | None = None) -> None:
+                 weight_file: WeightFile | None = None, cache: ModelCache | None = None) -> None:
         self.settings = settings if isinstance(settings, BackendSettings) else build_settings(settings)
         self.core = devices.shared_core()
-        self.cache = ModelCache(self.settings.cache_dir)
+        if cache is not None and cache.root != self.settings.cache_dir:
+            raise ValueError(f"the cache given is in {cache.root}, the cache_dir is {self.settings.cache_dir}")
+        self.cache = cache if cache is not None else ModelCache(self.settings.cache_dir)
         self.stats_counter = StatsCounter()
         self.versions = {"openvino": ov.get_version(), "torch": torch.__version__,
                          "ov_backend": _version("sd-webui-openvino-accelerate")}
@@ -203,6 +207,21 @@ class OVBackend:
         if self.weight_file is not None:
             self.weight_file.drop_resident()
 
+    def enforce_cache_limit(self, keep: Iterable[str] = ()) -> None:
+        """Prune the disk cache to ``cache_max_bytes``, keeping the entries in use and ``keep`` (done after every
+        build; e.g. for a store of the owner's own, such as a saved capture). Never raises for the files."""
+        self.build_context.enforce_cache_limit(keep)
+
+    def cache_usage(self) -> cache_limit.CacheUsage:
+        """The disk cache's size against its limit (0: none), and what of it this process uses; a cache that is
+        off or unreadable counts as empty."""
+        limit = self.settings.cache_max_bytes if self.settings.model_caching else 0
+        try:
+            return cache_limit.usage(self.cache, limit)
+        except OSError as err:
+            logger.warning("could not measure the OpenVINO cache %s: %s", self.cache.root, err)
+            return cache_limit.CacheUsage(0, limit, 0)
+
     def add_report(self, report: CompileReport) -> None:
         """Keep ``report`` (the report sink of this backend's compiled graphs)."""
         with self._lock:
@@ -219,7 +238,9 @@ class OVBackend:
         """The counters by name (the fields of :class:`ov_backend.report.Stats`): compile_seconds (with
         trace_seconds, convert_seconds, ov_compile_seconds, quantize_seconds, hash_seconds), run_seconds,
         ov_calls, eager_calls, cache_hits, cache_misses, compiles, released (compiled models released, see
-        start_window), kept_previous (models of the previous weights a release kept), captures.
+        start_window), kept_previous (models of the previous weights a release kept), captures, cache_pruned and
+        cache_pruned_bytes (disk cache entries removed to stay under ``cache_max_bytes``; :meth:`cache_usage` gives
+        the size against the limit).
         ``stats_counter.snapshot()`` gives them as a :class:`~ov_backend.report.Stats`."""
         return self.stats_counter.snapshot().as_dict()
 

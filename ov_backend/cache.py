@@ -14,8 +14,9 @@ nothing that is trusted later. An entry whose files do not match its ``meta.json
 reported, removed and rebuilt. Files up to 64 MiB are checksummed whole; larger ones (a full
 UNet's weights are gigabytes) by their size and 64 blocks of 1 MiB spread over the file, which
 catches truncation and overwritten regions without reading gigabytes at every start. The
-modification time of ``meta.json`` is the entry's last use; :meth:`ModelCache.prune` removes the
-least recently used entries first.
+modification time of ``meta.json`` is the entry's last use (a load refreshes it); :meth:`ModelCache.prune`
+removes the least recently used entries first, never one in ``keep`` (the entries this process uses,
+:mod:`ov_backend.cache_limit`), and never a file or folder being written (its name starts with ".").
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 import openvino as ov
 
+from ov_backend.cache_limit import Holds, PruneResult
 from ov_backend.files import atomic_path
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,12 @@ def _dir_size(path: Path) -> int:
     return total
 
 
+def _raise_unless_gone(_function: Any, _path: str, info: Any) -> None:
+    """``shutil.rmtree``'s error handler: a file already gone is fine, anything else is raised."""
+    if not issubclass(info[0], FileNotFoundError):
+        raise info[1]
+
+
 class ModelCache:
     """Converted models on disk, keyed by everything that changes what they compute.
 
@@ -114,6 +122,8 @@ class ModelCache:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        #: the entries objects of this process use (never pruned; see :mod:`ov_backend.cache_limit`)
+        self.holds = Holds()
 
     @property
     def models_dir(self) -> Path:
@@ -266,7 +276,8 @@ class ModelCache:
             keys.update(e.name for e in self.models_dir.iterdir() if e.is_dir() and not e.name.startswith("."))
         for sub in (self.blob_dir, self.capture_dir):
             if sub.is_dir():
-                keys.update(f"{sub.name}/{b.name}" for b in sub.iterdir() if b.is_file())
+                keys.update(f"{sub.name}/{b.name}" for b in sub.iterdir()
+                            if b.is_file() and not b.name.startswith("."))
         return keys
 
     def entries(self) -> list[CacheEntry]:
@@ -280,7 +291,10 @@ class ModelCache:
                     meta = json.loads((entry / _META).read_text())
                     last_used = (entry / _META).stat().st_mtime
                 except (OSError, ValueError):
-                    meta, last_used = {}, entry.stat().st_mtime
+                    try:
+                        meta, last_used = {}, entry.stat().st_mtime
+                    except OSError:  # removed meanwhile (another process pruning)
+                        continue
                 found.append(CacheEntry(entry.name, entry, _dir_size(entry), last_used,
                                         str(meta.get("description", "(damaged)" if not meta else "")),
                                         meta.get("any_weights") is True))
@@ -289,9 +303,15 @@ class ModelCache:
                 (self.capture_dir, "saved capture of a compiled function (torch.compile)", True)):
             if sub.is_dir():
                 for item in sub.iterdir():
-                    if item.is_file():
+                    if item.name.startswith("."):  # being written (atomic_path's temporary file)
+                        continue
+                    try:
+                        if not item.is_file():
+                            continue
                         st = item.stat()
-                        found.append(CacheEntry(f"{sub.name}/{item.name}", item, st.st_size, st.st_mtime,
+                    except OSError:  # removed meanwhile (another process pruning)
+                        continue
+                    found.append(CacheEntry(f"{sub.name}/{item.name}", item, st.st_size, st.st_mtime,
                                                 description, any_weights))
         return sorted(found, key=lambda e: e.last_used, reverse=True)
 
@@ -302,6 +322,19 @@ class ModelCache:
     def _remove(self, entry: CacheEntry) -> None:
         if entry.path.is_dir():
             shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            entry.path.unlink(missing_ok=True)
+
+    def _remove_checked(self, entry: CacheEntry) -> None:
+        """Remove ``entry``; gone already (another process pruned it) counts as removed.
+
+        Raises:
+            OSError: it could not be removed (permissions, a file held open on Windows, ...).
+        """
+        if entry.path.is_dir():
+            # meta.json first: what is left of a folder that could not be removed whole is no trusted entry
+            (entry.path / _META).unlink(missing_ok=True)
+            shutil.rmtree(entry.path, onerror=_raise_unless_gone)
         else:
             entry.path.unlink(missing_ok=True)
 
@@ -325,16 +358,40 @@ class ModelCache:
         return removed
 
     def prune(self, max_bytes: int) -> list[str]:
-        """Remove least recently used entries until the cache holds at most ``max_bytes``."""
+        """Remove least recently used entries until the cache holds at most ``max_bytes``; returns their keys."""
+        return list(self.prune_to(max_bytes).removed)
+
+    def prune_to(self, max_bytes: int, keep: Iterable[str] = ()) -> PruneResult:
+        """Remove least recently used entries, except those in ``keep``, until the cache holds at most ``max_bytes``.
+
+        An entry that cannot be removed is logged (WARNING) and skipped; one that vanished meanwhile (another
+        process pruning) counts as removed.
+
+        Raises:
+            ValueError: ``max_bytes`` is negative.
+        """
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        kept = set(keep)
         entries = self.entries()
         total = sum(e.size_bytes for e in entries)
-        removed = []
+        removed: list[str] = []
+        failed: list[str] = []
+        removed_bytes = 0
         for entry in reversed(entries):  # oldest first
             if total <= max_bytes:
                 break
-            self._remove(entry)
+            if entry.key in kept:
+                continue
+            try:
+                self._remove_checked(entry)
+            except OSError as err:
+                logger.warning("could not remove OpenVINO cache entry %s while pruning (%s); leaving it",
+                               entry.path, err)
+                failed.append(entry.key)
+                continue
             total -= entry.size_bytes
+            removed_bytes += entry.size_bytes
             removed.append(entry.key)
-        return removed
+        kept_bytes = sum(e.size_bytes for e in entries if e.key in kept)
+        return PruneResult(tuple(removed), removed_bytes, total, kept_bytes, tuple(failed))

@@ -5,20 +5,26 @@ compiled graph gets: settings, the OpenVINO core, the model cache, the counters,
 function and the report sink. On top of them it owns the cache look-ups and stores (counted as
 hits and misses; the keys are made by :mod:`ov_backend.build.keys`), compiling a model into a
 partition report, and :meth:`fail`: the fallback policy (a WARNING with the reason, or
-:class:`OpenVINOFallbackError` when ``strict``).
+:class:`OpenVINOFallbackError` when ``strict``). While a build runs (:meth:`BuildContext.using_cache`) it
+notes the cache entries the build loads or stores and the blobs OpenVINO writes for it, so that what the build
+makes holds them (:mod:`ov_backend.cache_limit`), and :meth:`BuildContext.enforce_cache_limit` prunes afterwards.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import openvino as ov
 
+from ov_backend import cache_limit
 from ov_backend.cache import ModelCache
 from ov_backend.precision import COMPRESSED_PRECISIONS
 from ov_backend.report import CompileReport, PartitionReport, StatsCounter
@@ -52,6 +58,7 @@ class BuildContext:
         release_stale: releases the compiled models of the backend's other graphs whose weights changed
             since their last call (argument: the graph asking, left alone); returns how many went.
         weights: where weights move before their first conversion (``BackendSettings.weights_in_file``).
+        building: per thread, the cache keys the build running in it loaded, stored or had OpenVINO write.
     """
 
     settings: BackendSettings
@@ -66,6 +73,39 @@ class BuildContext:
     shared: SharedModels = field(default_factory=SharedModels)
     release_stale: Callable[[Any], int] = lambda asking: 0
     weights: WeightHome | None = None
+    building: threading.local = field(default_factory=threading.local)
+
+    @contextmanager
+    def using_cache(self) -> Iterator[list[str]]:
+        """Collect, into the list given, the cache entries the build in this block (on this thread) loads, stores
+        or has OpenVINO write its blobs for (an outer block gets those of an inner one too)."""
+        outer = getattr(self.building, "keys", None)
+        self.building.keys = keys = []
+        try:
+            yield keys
+        finally:
+            self.building.keys = outer
+            if outer is not None:
+                outer.extend(keys)
+
+    def _used(self, key: str) -> None:
+        keys = getattr(self.building, "keys", None)
+        if keys is not None:
+            keys.append(key)
+
+    def hold(self, keys: Iterable[str], *holders: Any) -> None:
+        """The cache entries ``keys`` are in use while any of ``holders`` (None ones skipped) lives."""
+        keys = list(keys)
+        if keys:
+            for holder in holders:
+                if holder is not None:
+                    self.cache.holds.hold(keys, holder)
+
+    def enforce_cache_limit(self, keep: Iterable[str] = ()) -> None:
+        """Prune the disk cache to ``settings.cache_max_bytes`` (see :func:`ov_backend.cache_limit.enforce`),
+        keeping the entries in use and ``keep``; never raises for the files."""
+        if self.settings.model_caching and self.settings.cache_max_bytes:
+            cache_limit.enforce(self.cache, self.settings.cache_max_bytes, self.stats.add, keep)
 
     def fail(self, message: str, err: BaseException | None = None) -> None:
         """A visible fallback to PyTorch: a WARNING with ``message``, or raise when ``strict``.
@@ -83,6 +123,8 @@ class BuildContext:
             return None
         model = self.cache.load(key, self.core)
         self.stats.add(**({"cache_hits": 1} if model is not None else {"cache_misses": 1}))
+        if model is not None:
+            self._used(key)
         return model
 
     def cache_file(self, key: str) -> Path | None:
@@ -91,6 +133,8 @@ class BuildContext:
             return None
         path = self.cache.model_file(key)
         self.stats.add(**({"cache_hits": 1} if path is not None else {"cache_misses": 1}))
+        if path is not None:
+            self._used(key)
         return path
 
     def cache_store(self, key: str, model: ov.Model, description: str, any_weights: bool = False) -> Path | None:
@@ -99,12 +143,28 @@ class BuildContext:
         if not self.settings.model_caching:
             return None
         entry = self.cache.store(key, model, description, any_weights)
-        return entry / "model.xml" if entry is not None else None
+        if entry is None:
+            return None
+        self._used(key)
+        return entry / "model.xml"
+
+    def _blob_names(self) -> set[str] | None:
+        """The files in OpenVINO's blob folder now (None: caching off); an unreadable folder has none."""
+        if not self.settings.model_caching:
+            return None
+        try:
+            return set(os.listdir(self.cache.blob_dir))
+        except OSError:
+            return set()
 
     def compile(self, model: ov.Model | Path, part: PartitionReport) -> ov.CompiledModel:
         """Compile ``model`` for the device, noting the time, devices and precision in ``part``."""
         start = time.perf_counter()
+        blobs = self._blob_names()
         compiled = self.compile_model(model)
+        if blobs is not None:
+            for name in (self._blob_names() or set()) - blobs:  # written for this model by OpenVINO
+                self._used(f"{self.cache.blob_dir.name}/{name}")
         part.compile_seconds = time.perf_counter() - start
         part.compressed = self.settings.precision in COMPRESSED_PRECISIONS
         self.stats.add(ov_compile_seconds=part.compile_seconds, compiles=1)

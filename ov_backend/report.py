@@ -180,7 +180,9 @@ class Stats:
     ``weights_moved_bytes`` counts bytes of PyTorch weights moved into a memory-mapped file before their
     first conversion (``BackendSettings.weights_in_file``, :mod:`ov_backend.weight_file`), in
     ``weights_move_seconds`` (part of ``compile_seconds``); ``weights_kept_bytes`` those that stayed in
-    memory beside OpenVINO's copy (the backend's ``weights_kept`` says why).
+    memory beside OpenVINO's copy (the backend's ``weights_kept`` says why). ``cache_pruned`` and
+    ``cache_pruned_bytes`` count the disk cache's entries removed to keep it under its limit
+    (``BackendSettings.cache_max_bytes``), ``cache_prune_errors`` those that could not be removed.
 
     :meth:`as_dict` is the mapping ``OVBackend.stats()`` returns; :meth:`text_lines` and :meth:`report_json`
     render a run's counters for a status text and a status report.
@@ -209,6 +211,9 @@ class Stats:
     weights_moved_bytes: int = 0
     weights_move_seconds: float = 0.0
     weights_kept_bytes: int = 0
+    cache_pruned: int = 0
+    cache_pruned_bytes: int = 0
+    cache_prune_errors: int = 0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, float]) -> Stats:
@@ -262,6 +267,14 @@ class Stats:
                 f"{format_bytes(self.weights_kept_bytes)} of PyTorch's weights stay in memory beside OpenVINO's copy "
                 "(see the log for why)."
             )
+        pruned = int(self.cache_pruned)
+        if pruned or int(self.cache_prune_errors):
+            lines.append(
+                f"Disk cache: removed {pruned} least recently used entries ({format_bytes(self.cache_pruned_bytes)}) "
+                "to stay under its limit"
+                + (f"; {int(self.cache_prune_errors)} could not be removed (see the log)" if self.cache_prune_errors
+                   else "") + "."
+            )
         kept = int(self.kept_previous)
         if kept:
             lines.append(
@@ -290,7 +303,7 @@ class Stats:
 REPORTED_STATS = ("ov_calls", "eager_calls", "cache_hits", "compile_seconds", "convert_seconds", "run_seconds",
                   "released", "released_stale", "kept_previous", "capture_seconds", "captures_made",
                   "captures_saved", "captures_loaded", "weights_moved_bytes", "weights_move_seconds",
-                  "weights_kept_bytes")
+                  "weights_kept_bytes", "cache_pruned", "cache_pruned_bytes", "cache_prune_errors")
 
 
 class StatsCounter:

@@ -135,17 +135,24 @@ class SavedCaptures:
         record: called with the time a capture or load took (``capture_seconds``) and what it was
             (``captures_made=1``, ``captures_saved=1`` or ``captures_loaded=1``), e.g. a backend's
             ``stats_counter.add``.
+        cache: the backend's :class:`ModelCache` of ``cache_dir`` (default: one of its own): the capture files
+            loaded or saved here are in use (never pruned) while this object lives.
+        saved: called with the capture's cache key after a capture is saved (e.g. the backend's
+            ``enforce_cache_limit``).
     """
 
     def __init__(self, source: Callable[..., Any], attribute: str, backend: Any, cache_dir: Path | None,
                  varying: Mapping[int, tuple[int, ...]], versions: Mapping[str, str],
-                 record: Callable[..., None] = lambda **amounts: None) -> None:
+                 record: Callable[..., None] = lambda **amounts: None, cache: ModelCache | None = None,
+                 saved: Callable[[list[str]], None] = lambda keep: None) -> None:
         self.source = source
+        self.saved = saved
         self.attribute = attribute
         self.record = record
         self.backend = backend
         self.varying = varying
-        self.cache = ModelCache(cache_dir) if cache_dir is not None else None
+        self.cache = None if cache_dir is None else cache if cache is not None and cache.root == cache_dir \
+            else ModelCache(cache_dir)
         function = getattr(source, "__func__", None)
         self.module = getattr(source, "__self__", None)
         #: why this route runs without captures (None: it uses them)
@@ -172,7 +179,9 @@ class SavedCaptures:
         settings = backend.settings
         return cls(source, attribute, graphs, settings.cache_dir if settings.model_caching else None, varying,
                    getattr(backend, "versions", None) or {"torch": torch.__version__},
-                   getattr(getattr(backend, "stats_counter", None), "add", lambda **amounts: None))
+                   getattr(getattr(backend, "stats_counter", None), "add", lambda **amounts: None),
+                   cache=getattr(backend, "cache", None),
+                   saved=getattr(backend, "enforce_cache_limit", lambda keep: None))
 
     def key(self, form: tuple) -> str:
         """The file key of the captures of one form of call (see :func:`call_form`)."""
@@ -239,6 +248,7 @@ class SavedCaptures:
         seconds = time.perf_counter() - start
         self.record(capture_seconds=seconds, captures_loaded=1)
         path.touch()  # (its last use, for the cache's pruning)
+        self.cache.holds.hold([f"{path.parent.name}/{path.name}"], self)
         logger.info("loaded the saved capture of %s in %.1f s (dynamo's tracing skipped)", self._base["method"],
                     seconds)
         return loaded
@@ -278,6 +288,9 @@ class SavedCaptures:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 made.save(path)
                 self.record(captures_saved=1)
+                entry = f"{path.parent.name}/{path.name}"
+                self.cache.holds.hold([entry], self)
+                self.saved([entry])
             except Exception as err:  # a full disk, an object torch cannot save: used in this process only
                 logger.warning("could not save the capture of %s to %s (%s); the next process traces it again",
                                self._base["method"], path, err)

@@ -35,6 +35,10 @@ DEFAULT_MIN_PARTITION_OPS = 1
 #: At precision "int8": calls recorded at float before a graph is quantized (each costs about one call of
 #: the float model again while NNCF gathers statistics).
 DEFAULT_CALIBRATION_SAMPLES = 8
+#: See BackendSettings.cache_max_bytes: 20 GiB holds the UNets a user switches between (an SD 1.5 entry is
+#: 1.7-3.4 GB, an SDXL one 5-10 GB: e.g. three SD 1.5 and one SDXL), with their VAEs, text encoders and blobs,
+#: and stops the folder growing without bound (users reported 65 GB).
+DEFAULT_CACHE_MAX_BYTES = 20 << 30
 #: See BackendSettings.shared_shapes.
 SHARED_SHAPES: tuple[str, ...] = ("auto", "always", "never")
 #: See BackendSettings.previous_weights.
@@ -58,6 +62,9 @@ class BackendSettings:
             name such as "GPU", "AUTO", or "HETERO:a,b" / "MULTI:a,b" / "AUTO:a,b".
         model_caching: store converted models under ``cache_dir`` and reuse them across processes.
         cache_dir: folder of the on-disk cache.
+        cache_max_bytes: the disk cache's size limit in bytes; 0 means no limit. After every store (a converted
+            model, and a build's blobs and saved captures) the least recently used entries are removed until the
+            cache holds at most this, except the entries this process uses (:mod:`ov_backend.cache_limit`).
         config: the user's own properties for ``openvino.Core.compile_model`` (string keys and values);
             :attr:`compile_config` adds those of ``precision``.
         precision: a name in :data:`ov_backend.precision.PRECISION_CONFIG`.
@@ -110,6 +117,7 @@ class BackendSettings:
     device: str = "CPU"
     model_caching: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
+    cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES
     config: tuple[tuple[str, str], ...] = ()
     precision: str = DEFAULT_PRECISION
     decompositions: tuple[str, ...] = ()
@@ -297,6 +305,8 @@ def build_settings(options: Mapping[str, Any] | BackendSettings | None = None) -
         device=_check_device(merged.get("device", "CPU")),
         model_caching=_as_bool("model_caching", merged.get("model_caching", False)),
         cache_dir=Path(cache_dir).expanduser() if cache_dir not in (None, "") else default_cache_dir(),
+        cache_max_bytes=_as_count("cache_max_bytes", merged.get("cache_max_bytes", DEFAULT_CACHE_MAX_BYTES),
+                                  minimum=0, meaning="the disk cache's size limit in bytes; 0 for no limit"),
         config=_check_config(merged.get("config")),
         precision=_check_precision(merged.get("precision", DEFAULT_PRECISION)),
         decompositions=_check_ops("decompositions", merged.get("decompositions"), known=None),

@@ -57,7 +57,21 @@ class GraphBuilder:
 
         ``store`` is what the graph keeps for these weights: the builds keep their models there.
         The compile report goes to the context's report sink, the times to its counters.
+
+        The disk cache entries the build loaded or stored (and the blobs OpenVINO wrote for it) are in use while
+        the variant lives, and those of the dynamic build while ``store`` does (its converted model serves every
+        shape); then the cache is pruned to its limit (:mod:`ov_backend.cache_limit`).
         """
+        context = self.target.context
+        with context.using_cache() as used:
+            variant = self._build(sig, user_values, weight_values, store, fingerprint)
+        if variant.in_openvino:
+            context.hold(used, variant, store if variant.compiled_for is not None else None)
+        context.enforce_cache_limit(keep=used)
+        return variant
+
+    def _build(self, sig: tuple[Any, ...], user_values: Sequence[Any], weight_values: Sequence[torch.Tensor],
+               store: WeightSet, fingerprint: str) -> Variant:
         context = self.target.context
         settings = context.settings
         report = CompileReport(self.target.name, signature_text(sig), "static", settings.device)
@@ -113,5 +127,12 @@ class GraphBuilder:
 
     def quantize(self, store: WeightSet) -> int:
         """At precision "int8": quantize the models of these weights whose calls were recorded; returns how
-        many (see :meth:`Int8Builds.quantize`)."""
-        return self.int8.quantize(store) if self.int8 is not None else 0
+        many (see :meth:`Int8Builds.quantize`). The INT8 models stored are in use while ``store`` lives."""
+        if self.int8 is None:
+            return 0
+        context = self.target.context
+        with context.using_cache() as used:
+            done = self.int8.quantize(store)
+        context.hold(used, store)
+        context.enforce_cache_limit(keep=used)
+        return done

@@ -151,3 +151,130 @@ def test_unwritable_cache_keeps_the_result(tmp_path, caplog):
         backend = _compile_once(blocker / "cache")
     assert backend.stats()["ov_calls"] == 1
     assert any("could not write OpenVINO cache entry" in r.getMessage() for r in caplog.records)
+
+
+# -- the size limit (BackendSettings.cache_max_bytes, ov_backend.cache_limit) ---------------------------------------
+
+def _store_entries(cache: ModelCache, keys: list[str], age: float = 1000) -> None:
+    """Store a small model under each key, the first the least recently used (``age`` seconds ago, then newer)."""
+    import openvino as ov
+
+    param = ov.opset13.parameter([1, 64], ov.Type.f32)
+    for i, key in enumerate(keys):
+        const = ov.opset13.constant(torch.full((1, 64), float(i)).numpy())
+        cache.store(key, ov.Model([ov.opset13.add(param, const)], [param], key), f"model {key}")
+        when = time.time() - age + i * 10
+        os.utime(cache.models_dir / key / "meta.json", (when, when))
+
+
+def _size(cache: ModelCache, key: str) -> int:
+    return next(e.size_bytes for e in cache.entries() if e.key == key)
+
+
+def test_prune_removes_least_recently_used_first_and_a_load_is_a_use(tmp_path):
+    import openvino as ov
+
+    from ov_backend.cache_limit import enforce
+
+    cache = ModelCache(tmp_path)
+    _store_entries(cache, ["k1", "k2", "k3", "k4"])
+    assert cache.load("k1", ov.Core()) is not None  # the oldest, used now: the newest
+    limit = _size(cache, "k1") + _size(cache, "k4") + 10
+    counted: dict[str, float] = {}
+    result = enforce(cache, limit, lambda **amounts: counted.update(amounts))
+    assert result.removed == ("k2", "k3")
+    assert sorted(e.key for e in cache.entries()) == ["k1", "k4"]
+    assert result.total_bytes == sum(e.size_bytes for e in cache.entries()) <= limit
+    assert counted == {"cache_pruned": 2, "cache_pruned_bytes": result.removed_bytes, "cache_prune_errors": 0}
+    assert enforce(cache, 0).removed == ()  # 0: no limit
+    assert len(cache.entries()) == 2
+
+
+def test_entries_in_use_are_never_pruned_and_a_too_small_limit_warns_once(tmp_path, caplog):
+    """A backend's compiled model holds its cache entry (and the blob OpenVINO wrote for it): a limit of one byte
+    removes every other entry after the build, keeps those, says so once, and the output is right."""
+    cache_dir = tmp_path / "cache"
+    _store_entries(ModelCache(cache_dir), ["old1", "old2"])
+    backend = OVBackend({"model_caching": True, "cache_dir": str(cache_dir), "cache_max_bytes": 1,
+                         "config": {"INFERENCE_PRECISION_HINT": "f32"}})
+    model = small_cnn()
+    compiled = torch.compile(model, backend=backend)
+    with caplog.at_level(logging.WARNING, logger="ov_backend"), torch.no_grad():
+        for size in (16, 24):  # a second size: another build and store, over the limit again
+            x = torch.randn(1, 3, size, size)
+            torch.testing.assert_close(compiled(x), model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    left = {e.key for e in backend.cache.entries()}
+    assert "old1" not in left and "old2" not in left
+    assert left and left == backend.cache.holds.in_use()  # what the compiled graphs use, all kept
+    assert any(k.startswith("models/") or not k.startswith(("blobs/", "captures/")) for k in left)
+    warnings = [r for r in caplog.records if "over its limit" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    stats = backend.stats()
+    assert stats["cache_pruned"] == 2 and stats["cache_pruned_bytes"] > 0 and stats["cache_prune_errors"] == 0
+    usage = backend.cache_usage()
+    assert usage.limit_bytes == 1 and usage.over_limit and usage.bytes == usage.in_use_bytes > 0
+    assert "limit" in usage.text() and "in use" in usage.text()
+    assert any("removed 2 least recently used entries" in line for line in
+               __import__("ov_backend").Stats.from_mapping(stats).text_lines())
+    # once nothing holds them (dynamo's caches dropped), they are the cache's to prune like any other
+    del compiled
+    torch._dynamo.reset()
+    import gc
+
+    gc.collect()
+    assert backend.cache.holds.in_use() == set()
+    backend.enforce_cache_limit()
+    assert backend.cache.entries() == []
+
+
+def test_pruning_never_touches_what_is_being_written(tmp_path):
+    cache = ModelCache(tmp_path)
+    _store_entries(cache, ["k1"])
+    writing = cache.models_dir / ".tmp-k2-abcdef-xyz"  # a store in progress (here or in another process)
+    writing.mkdir()
+    (writing / "model.bin").write_bytes(b"x" * 4096)
+    cache.capture_dir.mkdir()
+    (cache.capture_dir / ".abc.capture.1234abcd.tmp").write_bytes(b"y" * 4096)  # atomic_path's temporary file
+    from ov_backend.cache_limit import enforce
+
+    result = enforce(cache, 1)
+    assert result.removed == ("k1",)
+    assert writing.is_dir() and (writing / "model.bin").stat().st_size == 4096
+    assert (cache.capture_dir / ".abc.capture.1234abcd.tmp").is_file()
+
+
+def test_errors_while_pruning_are_logged_and_never_fail_the_build(tmp_path, caplog, monkeypatch):
+    """An entry that cannot be removed (permissions) is left with a WARNING; one another process removed first
+    counts as gone; the compile runs and its result is right."""
+    import shutil
+
+    cache_dir = tmp_path / "cache"
+    _store_entries(ModelCache(cache_dir), ["locked", "vanishing", "old"])
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name == "locked":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    real_entries = ModelCache.entries
+
+    def entries_then_another_process_prunes(self):
+        found = real_entries(self)
+        real_rmtree(self.models_dir / "vanishing", ignore_errors=True)  # a concurrent prune, after our listing
+        return found
+
+    monkeypatch.setattr(ModelCache, "entries", entries_then_another_process_prunes)
+    backend = OVBackend({"model_caching": True, "cache_dir": str(cache_dir), "cache_max_bytes": 1,
+                         "config": {"INFERENCE_PRECISION_HINT": "f32"}})
+    model = small_cnn()
+    x = torch.randn(1, 3, 16, 16)
+    with caplog.at_level(logging.WARNING, logger="ov_backend"), torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    assert any("could not remove OpenVINO cache entry" in r.getMessage() and "locked" in r.getMessage()
+               for r in caplog.records)
+    stats = backend.stats()
+    assert stats["cache_prune_errors"] == 1 and stats["cache_pruned"] == 2  # "vanishing" and "old"
+    assert (cache_dir / "models" / "locked").is_dir() and not (cache_dir / "models" / "old").exists()
+    assert stats["ov_calls"] == 1

@@ -29,7 +29,18 @@ def test_option_names_are_the_stock_set_plus_ours():
     assert set(OPTION_NAMES) == {"device", "model_caching", "cache_dir", "config", "precision", "decompositions",
                                  "disabled_ops", "aot_autograd", "strict", "min_partition_ops",
                                  "calibration_samples", "shared_shapes", "previous_weights", "rewrites",
-                                 "weights_in_file", "check_memory"}
+                                 "weights_in_file", "check_memory", "cache_max_bytes"}
+
+
+def test_cache_limit_has_a_default_and_zero_is_no_limit():
+    from ov_backend.settings import DEFAULT_CACHE_MAX_BYTES
+
+    assert build_settings().cache_max_bytes == DEFAULT_CACHE_MAX_BYTES == 20 << 30
+    assert build_settings({"cache_max_bytes": 0}).cache_max_bytes == 0
+    assert build_settings({"cache_max_bytes": "1024"}).cache_max_bytes == 1024
+    for bad in (-1, 1.5, "2G", True):
+        with pytest.raises(ValueError, match="'cache_max_bytes' must be a whole number >= 0"):
+            build_settings({"cache_max_bytes": bad})
 
 
 def test_rewrites_are_named_and_all_applied_by_default():
