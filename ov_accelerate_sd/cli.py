@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ov_backend.cache_limit import DEFAULT_CACHE_MAX_BYTES
+from ov_backend.files import format_bytes
 from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS
 
 from .parts import PARTS
@@ -141,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "encoder's weights compressed to 8 bits (least memory), computing at auto")
     gen.add_argument("--cache-dir", type=Path, help="compiled-model cache (default: per-user cache folder)")
     gen.add_argument("--no-cache", action="store_true", help="do not read or write the compiled-model cache")
+    gen.add_argument("--cache-max-size", type=parse_size, default=DEFAULT_CACHE_MAX_BYTES, metavar="SIZE",
+                     help="after each store, prune the compiled-model cache to this size, least recently used first, "
+                          "never what this run uses (e.g. 2G, 500M; 0: no limit; default "
+                          f"{format_bytes(DEFAULT_CACHE_MAX_BYTES)})")
     gen.add_argument("--pytorch", action="append", choices=PARTS, default=[], metavar="PART",
                      help=f"leave this part in PyTorch (repeatable; one of {', '.join(PARTS)})")
     gen.add_argument("--step-cache", type=_positive, default=1, metavar="N",
@@ -207,7 +213,6 @@ def _devices(parser: argparse.ArgumentParser, args: Any) -> int:
 
 def _cache(parser: argparse.ArgumentParser, args: Any) -> int:
     from ov_backend.cache import ModelCache
-    from ov_backend.files import format_bytes
     from ov_backend.settings import default_cache_dir
 
     if args.action == "prune" and args.max_size is None:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ov_backend.files import format_bytes
+
 from .cli import EXIT_INTERRUPTED, StopRequest, _err, _out
 from .parts import PARTS
 
@@ -188,6 +190,7 @@ def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Pa
         parser.error(f"argument --sampler: {exc}")
     options: dict[str, Any] = {
         "device": args.device, "precision": args.precision, "model_caching": not args.no_cache,
+        "cache_max_bytes": args.cache_max_size,
         "accelerate": [p for p in PARTS if p not in args.pytorch],
         "step_cache": {"interval": args.step_cache, "depth": args.step_cache_depth,
                        "full_start": args.step_cache_start, "full_end": args.step_cache_end},
@@ -319,6 +322,12 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
     if args.verbose:
         for report in accelerator.backends.reports():
             _err(report.summary())
+    pruned = int(stats.get("cache_pruned", 0))
+    for folder, usage in accelerator.backends.cache_usage().items():
+        if pruned or usage.over_limit or args.verbose:
+            _out(f"disk cache {folder}: {usage.text()}"
+                 + (f"; removed {pruned} least recently used entries "
+                    f"({format_bytes(stats.get('cache_pruned_bytes', 0))})" if pruned else ""))
     _out(f"{len(saved)} image(s) in {args.out}: load {load_seconds:.1f}s, "
          f"{times.describe(stats if settings.accelerate else None)} "
          f"(OpenVINO calls {int(stats.get('ov_calls', 0))}, PyTorch calls {int(stats.get('eager_calls', 0))}, "

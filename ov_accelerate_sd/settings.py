@@ -35,6 +35,8 @@ class SDSettings:
     """Store compiled models on disk so a later run skips conversion."""
     cache_dir: str | None = None
     """Folder of the compiled-model cache; None means ov_backend's per-user default."""
+    cache_max_bytes: int | None = None
+    """The compiled-model cache's size limit in bytes (0: none); None means ov_backend's default."""
     accelerate: tuple[str, ...] = PARTS
     """The parts that run through OpenVINO, in ``PARTS`` order; the others stay in PyTorch."""
     prediction_type: str | None = None
@@ -45,7 +47,7 @@ class SDSettings:
     def backend_choice(self) -> BackendChoice:
         """The backend these settings choose (see :class:`~.backends.Backends`)."""
         return BackendChoice(device=self.device, precision=self.precision, model_caching=self.model_caching,
-                             cache_dir=self.cache_dir)
+                             cache_dir=self.cache_dir, cache_max_bytes=self.cache_max_bytes)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SDSettings))

@@ -44,7 +44,7 @@ _EXPORTS = {
     # the disk cache and its files
     "CacheEntry": "ov_backend.cache",
     "CacheUsage": "ov_backend.cache_limit",
-    "DEFAULT_CACHE_MAX_BYTES": "ov_backend.settings",
+    "DEFAULT_CACHE_MAX_BYTES": "ov_backend.cache_limit",
     "ModelCache": "ov_backend.cache",
     "atomic_path": "ov_backend.files",
     "format_bytes": "ov_backend.files",
@@ -77,7 +77,7 @@ __all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.backend import OVBackend, ov_backend
     from ov_backend.cache import CacheEntry, ModelCache
-    from ov_backend.cache_limit import CacheUsage
+    from ov_backend.cache_limit import DEFAULT_CACHE_MAX_BYTES, CacheUsage
     from ov_backend.compiled_method import CompiledMethod, input_signature
     from ov_backend.context import OpenVINOFallbackError
     from ov_backend.devices import DeviceInfo, check_device, device_info, list_devices
@@ -87,13 +87,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS, QUANTIZED_PRECISIONS
     from ov_backend.report import CompileReport, PartitionReport, Stats
     from ov_backend.saved_captures import SavedCaptures
-    from ov_backend.settings import (
-        DEFAULT_CACHE_MAX_BYTES,
-        PREVIOUS_WEIGHTS,
-        BackendSettings,
-        build_settings,
-        default_cache_dir,
-    )
+    from ov_backend.settings import PREVIOUS_WEIGHTS, BackendSettings, build_settings, default_cache_dir
     from ov_backend.weight_file import WeightFile
 
 

@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: The default of ``BackendSettings.cache_max_bytes`` (20 GiB), here so that the command line reads it without
+#: loading OpenVINO. A cache entry is one part of one checkpoint: 1.7-3.4 GB for an SD 1.5 UNet, 5-10 GB for an
+#: SDXL one, its blob on devices other than the CPU as much again. 20 GiB keeps a few of each a user switches
+#: between (e.g. three SD 1.5 checkpoints and one SDXL with their VAEs and text encoders) and stops the folder
+#: growing without bound (users of another OpenVINO extension reported 65 GB).
+DEFAULT_CACHE_MAX_BYTES = 20 << 30
+
 
 class Holds:
     """Which entries (keys as :meth:`ModelCache.entries` names them) objects of this process still use (thread-safe).

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ov_backend import devices, ops, quantize
+from ov_backend.cache_limit import DEFAULT_CACHE_MAX_BYTES
 from ov_backend.files import user_cache_root
 from ov_backend.precision import DEFAULT_PRECISION, NNCF_PRECISIONS, PRECISION_CONFIG, PRECISIONS
 from ov_backend.rewrites import REWRITES
@@ -35,10 +36,6 @@ DEFAULT_MIN_PARTITION_OPS = 1
 #: At precision "int8": calls recorded at float before a graph is quantized (each costs about one call of
 #: the float model again while NNCF gathers statistics).
 DEFAULT_CALIBRATION_SAMPLES = 8
-#: See BackendSettings.cache_max_bytes: 20 GiB holds the UNets a user switches between (an SD 1.5 entry is
-#: 1.7-3.4 GB, an SDXL one 5-10 GB: e.g. three SD 1.5 and one SDXL), with their VAEs, text encoders and blobs,
-#: and stops the folder growing without bound (users reported 65 GB).
-DEFAULT_CACHE_MAX_BYTES = 20 << 30
 #: See BackendSettings.shared_shapes.
 SHARED_SHAPES: tuple[str, ...] = ("auto", "always", "never")
 #: See BackendSettings.previous_weights.

@@ -33,7 +33,7 @@ def test_option_names_are_the_stock_set_plus_ours():
 
 
 def test_cache_limit_has_a_default_and_zero_is_no_limit():
-    from ov_backend.settings import DEFAULT_CACHE_MAX_BYTES
+    from ov_backend import DEFAULT_CACHE_MAX_BYTES
 
     assert build_settings().cache_max_bytes == DEFAULT_CACHE_MAX_BYTES == 20 << 30
     assert build_settings({"cache_max_bytes": 0}).cache_max_bytes == 0

@@ -57,6 +57,7 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
         (["cache", "prune"], "needs --max-size"),
         (["cache", "list", "--max-size", "2G"], "only applies to 'cache prune'"),
         (["cache", "prune", "--max-size", "lots"], "is not a size"),
+        (["generate", "--demo", "--cache-max-size", "lots"], "argument --cache-max-size: 'lots' is not a size"),
         (["cache", "clear", "nosuchkey"], "no cache entries named nosuchkey"),
         (["demo", "--device", "NOPE"], "NOPE"),
         (["frobnicate"], "invalid choice"),
@@ -427,3 +428,33 @@ def test_int8_without_nncf_is_a_usage_error(monkeypatch, capsys) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nncf" else real(name, *a))
     err = _usage_error(["generate", "--demo", "--precision", "int8"], capsys)
     assert "INT8 needs NNCF" in err and "pip install nncf==3.4.0" in err
+
+
+def test_generate_keeps_the_cache_under_its_limit_but_never_what_it_uses(tmp_path: Path) -> None:
+    """--cache-max-size parses as 'cache prune --max-size' and defaults to the backend's limit; a run with a limit
+    below what it stores removes the older entries after each store, keeps its own, says so, and makes its image."""
+    import openvino as ov
+
+    from ov_backend import DEFAULT_CACHE_MAX_BYTES, ModelCache
+
+    gen = build_parser().parse_args(["generate", "--demo"])
+    assert gen.cache_max_size == DEFAULT_CACHE_MAX_BYTES == 20 << 30
+    assert build_parser().parse_args(["generate", "--demo", "--cache-max-size", "1.5G"]).cache_max_size == \
+        parse_size("1.5G") == 3 << 29
+    cache_dir = tmp_path / "cache"
+    old = ModelCache(cache_dir)
+    param = ov.opset13.parameter([1, 4], ov.Type.f32)
+    old.store("an-old-model", ov.Model([ov.opset13.relu(param)], [param], "old"), "from an earlier run")
+    os.utime(old.models_dir / "an-old-model" / "meta.json", (1, 1))
+    proc = _run("generate", "--demo", "--prompt", "a cat", *SMALL, "--seed", "3", "--precision", "f32",
+                "--cache-dir", str(cache_dir), "--cache-max-size", "1K", "--out", str(tmp_path / "out"))
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    assert (tmp_path / "out" / "00000-3.png").is_file()
+    keys = {e.key for e in ModelCache(cache_dir).entries()}
+    assert "an-old-model" not in keys and keys  # this run's entries stay: they were in use until it ended
+    (line,) = [line for line in stdout.splitlines() if line.startswith("disk cache ")]
+    assert "of 1.0 KiB limit (over it:" in line and "in use" in line, stdout
+    assert re.search(r"removed [1-9]\d* least recently used entries", line), line
+    assert "over its limit of 1.0 KiB" in stderr  # the WARNING, once
+    assert stderr.count("over its limit") == 1, stderr
