@@ -108,7 +108,7 @@ class Backends:
 
     def __init__(self, make: Any = None) -> None:
         self._make = make
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a make may ask for model_cache)
         self._counters: dict[BackendChoice, GraphRunCounter] = {}
         #: weights folder -> the file weights move into
         self._weight_files: dict[str, Any] = {}
@@ -124,7 +124,7 @@ class Backends:
         with self._lock:
             counter = self._counters.get(choice)
             if counter is None:
-                from ov_backend import GraphRunCounter, ModelCache, OVBackend, WeightFile, build_settings
+                from ov_backend import GraphRunCounter, OVBackend, WeightFile, build_settings
 
                 settings = build_settings(choice.options())
                 weight_file = None
@@ -133,13 +133,27 @@ class Backends:
                     weight_file = self._weight_files.get(folder)
                     if weight_file is None:
                         weight_file = self._weight_files[folder] = WeightFile(settings.cache_dir / "weights")
-                cache = self._caches.get(str(settings.cache_dir))
-                if cache is None:
-                    cache = self._caches[str(settings.cache_dir)] = ModelCache(settings.cache_dir)
+                cache = self._model_cache(settings.cache_dir)
                 make = self._make or (lambda c, w: OVBackend(settings, weight_file=w, cache=cache))
                 backend = make(choice, weight_file)
                 counter = self._counters[choice] = GraphRunCounter(backend)
             return counter
+
+    def model_cache(self, folder: Any) -> Any:
+        """The ``ov_backend.ModelCache`` of ``folder`` the backends of this object share (made on first use): a
+        ``make`` given to the constructor passes it to its backends as ``cache=``."""
+        with self._lock:
+            return self._model_cache(folder)
+
+    def _model_cache(self, folder: Any) -> Any:
+        from pathlib import Path
+
+        from ov_backend import ModelCache
+
+        cache = self._caches.get(str(folder))
+        if cache is None:
+            cache = self._caches[str(folder)] = ModelCache(Path(folder))
+        return cache
 
     def backend(self, choice: BackendChoice) -> OVBackend:
         """The backend of ``choice``, made if it is new (raises as :meth:`counter`)."""
@@ -193,13 +207,20 @@ class Backends:
         return sum(f.file_bytes() for f in files), None if None in resident else sum(r or 0 for r in resident)
 
     def cache_usage(self) -> dict[str, Any]:
-        """Per cache folder of a backend with the disk cache on: its ``ov_backend.CacheUsage`` (size, limit, in
-        use), measured now."""
+        """Per cache folder of a backend with the disk cache on: its ``ov_backend.CacheUsage`` (size, limit, what the
+        backends use of it), measured now; a folder that cannot be read counts as empty."""
+        from ov_backend import CacheUsage, cache_usage
+
         usages: dict[str, Any] = {}
         for backend in self.all():
-            folder = str(backend.settings.cache_dir)
-            if backend.settings.model_caching and folder not in usages:
-                usages[folder] = backend.cache_usage()
+            settings = backend.settings
+            folder = str(settings.cache_dir)
+            if settings.model_caching and folder not in usages:
+                try:
+                    usages[folder] = cache_usage(self.model_cache(settings.cache_dir), settings.cache_max_bytes)
+                except OSError as err:
+                    logger.warning("could not measure the OpenVINO cache %s: %s", folder, err)
+                    usages[folder] = CacheUsage(0, settings.cache_max_bytes, 0)
         return usages
 
     def mark(self) -> Mark:

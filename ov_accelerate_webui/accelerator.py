@@ -90,8 +90,12 @@ class Accelerator:
         self._notify = notify or (lambda text: None)
         self._lock = threading.RLock()
         self._checkpoints: set[str] = set()
-        self.backends = Backends(lambda choice, weight_file: api.backend_class(api.build_settings(choice.options()),
-                                                                               weight_file=weight_file))
+        def make(choice: BackendChoice, weight_file: Any) -> Any:
+            settings = api.build_settings(choice.options())
+            return api.backend_class(settings, weight_file=weight_file,
+                                     cache=self.backends.model_cache(settings.cache_dir))
+
+        self.backends = Backends(make)
         """One backend per choice of the user's (and per precision a part runs at), kept across generations."""
         self._compiled: dict[tuple[BackendChoice, str], list[CompiledRoute]] = {}
         self._lora = LoraHook(self._lock)
@@ -102,7 +106,7 @@ class Accelerator:
 
     def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str, window: str = WINDOW_NEW,
                 previous_weights: str | None = None, step_cache: StepCacheSettings | None = None,
-                weights_in_file: bool = True) -> PreparedRun:
+                weights_in_file: bool = True, cache_max_bytes: int | None = None) -> PreparedRun:
         """Find the parts of ``model`` to accelerate and get (or make) their compiled forwards.
 
         ``window``: :data:`WINDOW_NEW` (a generation of its own: compiled models it does not call are
@@ -112,14 +116,16 @@ class Accelerator:
         backend's ``previous_weights`` for a new window ("auto", "keep", "release"; None: the backend's own).
         ``step_cache``: how step caching runs (its depth and full steps; the interval is ``settings.step_cache``).
         ``weights_in_file``: PyTorch's copy of the weights moves into a memory-mapped file before their first compile
-        (the backends' ``weights_in_file``).
+        (the backends' ``weights_in_file``). ``cache_max_bytes``: the disk cache's size limit (the backends'
+        ``cache_max_bytes``; 0: none; None: the backend's default).
 
         Raises:
             UnsupportedModel: the model cannot be accelerated.
             ValueError: the backend rejected the settings (e.g. an unknown device).
         """
         targets = find_targets(model, settings.parts)
-        choice = dataclasses.replace(settings.backend_choice(default_cache_dir), weights_in_file=weights_in_file)
+        choice = dataclasses.replace(settings.backend_choice(default_cache_dir), weights_in_file=weights_in_file,
+                                     cache_max_bytes=cache_max_bytes)
         f32_choice = dataclasses.replace(choice, precision="f32") if choice.precision != "f32" else None
         ckpt = checkpoint_key(model)
         with self._lock:

@@ -130,7 +130,8 @@ class Extension:
             if options.keep_all_sizes:
                 window = WINDOW_OFF
             prepared = accelerator.prepare(model, settings, host.default_cache_dir(), window,
-                                           options.previous_weights, options.step_cache, options.weights_in_file)
+                                           options.previous_weights, options.step_cache, options.weights_in_file,
+                                           options.cache_limit_bytes)
         except (BackendUnavailable, UnsupportedModel) as exc:
             raise NotAccelerated(f"Accelerate with OpenVINO: {exc}", logging.WARNING) from exc
         except ValueError as exc:  # settings the backend rejects, e.g. INT8 without NNCF: the image is still made
@@ -338,12 +339,14 @@ class Extension:
         return (folder or "").strip() or host.default_cache_dir()
 
     def cache_size_text(self, folder: str) -> str:
-        """E.g. "12 entries, 1.2 GiB in /models/openvino_cache", and a line of sizes per checkpoint."""
+        """E.g. "12 entries, 1.2 GiB of 20.0 GiB limit in /models/openvino_cache", and a line of sizes per
+        checkpoint."""
         path = self.cache_dir(folder)
-        cache = self.api().model_cache(path)
-        size = ov_backend.format_bytes(cache.total_bytes())
+        cache = self.accelerator().backends.model_cache(path)
+        limit = read_options().cache_limit_bytes
+        usage = ov_backend.cache_usage(cache, ov_backend.DEFAULT_CACHE_MAX_BYTES if limit is None else limit)
         by_checkpoint = cache_owners.describe(path, cache)
-        text = f"{len(list(cache.entries()))} entries, {size} in {path}"
+        text = f"{len(list(cache.entries()))} entries, {usage.text()} in {path}"
         return f"{text}\n{by_checkpoint}" if by_checkpoint else text
 
     def _cache_keys(self, folder: str) -> set[str] | None:

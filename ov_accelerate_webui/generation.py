@@ -19,6 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ov_accelerate_sd.openvino_entry import PART_NAMES
@@ -32,7 +33,7 @@ from .infotext import generation_params
 from .lora import LoraChange, changes_line
 from .session import RoutingSession
 from .settings import AccelerateSettings
-from .status import run_status
+from .status import cache_line, run_status, weights_line
 from .step_caching import merged_facts, sampler_step, step_cache_facts, step_cache_line
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class RunRecord:
     weights_in_file: tuple[int, int | None] = (0, 0)
     """Bytes of PyTorch's weights kept in memory-mapped files, and of their pages in the WebUI's memory after
     the generation (None: unknown): see ``ov_backend.WeightFile``."""
+    cache: dict[str, int] = field(default_factory=dict)
+    """The disk cache after the generation (empty: off): ``cache_bytes``, ``cache_limit_bytes`` (0: none),
+    ``cache_in_use_bytes`` (``ov_backend.CacheUsage.as_dict``)."""
     status: str = ""
 
     def text(self) -> str:
@@ -118,7 +122,8 @@ class RunRecord:
             status += "\n" + changes_line(self.lora_changes, self.reports)
         if self.step_cache:
             status += "\n" + step_cache_line(self.step_cache)
-        return "\n".join([status, *self.notes, *weights_line(self.weights_in_file)])
+        return "\n".join([status, *self.notes, *weights_line(self.weights_in_file),
+                          *cache_line(self.cache, int(self.stats.get("cache_pruned", 0)))])
 
     def summary(self) -> dict[str, Any]:
         """This generation's line in the job's report."""
@@ -216,6 +221,14 @@ class Generation:
         return (f"The generation stopped with {why}. The WebUI's models were restored; calls through OpenVINO "
                 f"before it: {self.session.calls()}.")
 
+    def _cache_usage(self) -> dict[str, int]:
+        """The disk cache the generation used, against its limit (empty with the cache off, or unreadable)."""
+        choice = self.prepared.choice
+        if not choice.model_caching or not choice.cache_dir:
+            return {}
+        usage = self.accelerator.backends.cache_usage().get(str(Path(choice.cache_dir).expanduser()))
+        return usage.as_dict() if usage is not None else {}
+
     def finish(self, calibrate: bool, vae_methods: tuple[str, str] = ("", "")) -> RunRecord:
         """Restore the model and record what ran (quantizing the UNet first at INT8 when ``calibrate``).
         ``vae_methods``: the WebUI's VAE decode and encode methods ("Full", "TAESD"), which say why the VAE
@@ -239,6 +252,7 @@ class Generation:
             pytorch=session.pytorch(),
             step_cache=step_cache_facts(prepared.step_cache, session),
             weights_in_file=self.accelerator.backends.weights_in_files(),
+            cache=self._cache_usage(),
         )
         record.notes = [*session.notes, *_uncalled_vae(record.calls, vae_methods)]
         record.status = record.text()
@@ -247,16 +261,6 @@ class Generation:
             logger.warning("Accelerate with OpenVINO: %s",
                            ov_backend.describe_eager(record.eager, record.calls))
         return record
-
-
-def weights_line(weights_in_file: tuple[int, int | None]) -> list[str]:
-    """The status line on PyTorch's weights in files (none when no weight is in a file)."""
-    size, resident = weights_in_file
-    if not size:
-        return []
-    return [f"PyTorch's copy of the accelerated weights: {ov_backend.format_bytes(size)} in a memory-mapped file"
-            + (f", {ov_backend.format_bytes(resident)} of it in memory after the generation." if resident is not None
-               else ".")]
 
 
 def run_report(record: RunRecord) -> dict[str, Any]:
@@ -281,6 +285,7 @@ def run_report(record: RunRecord) -> dict[str, Any]:
         "plain_generations": 0,
         "runs": [record.summary()],
         "pytorch_weights_in_file": {"bytes": record.weights_in_file[0], "resident_bytes": record.weights_in_file[1]},
+        **record.cache,
         **ov_backend.Stats.from_mapping(record.stats).report_json(),
     }
 
@@ -350,10 +355,8 @@ def merge(records: Sequence[RunRecord]) -> RunRecord:
         notes=list(dict.fromkeys(note for record in records for note in record.notes)),
         step_cache=merged_facts([r.step_cache for r in records if r.step_cache]),
         weights_in_file=records[-1].weights_in_file,
+        cache=records[-1].cache,
     )
-
-
-
 
 
 def _job_header(records: Sequence[RunRecord], plain: Sequence[str]) -> str:

@@ -1,8 +1,9 @@
 """The "OpenVINO" section of the Settings tab: its option keys, and what they hold, read in one place.
 
 :func:`read_options` is the only reader of the extension's options: the panel's defaults (one option per
-settings field, ``openvino_<field>``), "Enable for every generation", "Keep every compiled size" and what
-happens to the compiled models of the weights used before. ``ui.add_settings_section`` registers them.
+settings field, ``openvino_<field>``), "Enable for every generation", "Keep every compiled size", what
+happens to the compiled models of the weights used before, and the disk cache's size limit.
+``ui.add_settings_section`` registers them.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ WEIGHTS_IN_FILE_LABEL = (
     "Keep PyTorch's copy of the accelerated weights in a file on disk, in the cache folder (memory holds one copy of "
     "each weight, OpenVINO's; PyTorch reads the file when it needs them, e.g. for a LoRA). Off: both copies stay in "
     "memory (SD 1.5 at f32: about 3.4 GB more). Takes effect for models compiled from then on"
+)
+
+#: Settings-tab option: the disk cache's size limit in GB (GiB, as the panel shows sizes; the backend's
+#: ``cache_max_bytes``).
+CACHE_LIMIT_OPTION = OPTION_PREFIX + "cache_limit_gb"
+CACHE_LIMIT_LABEL = (
+    "Disk cache limit (GB): after each new compiled model, the least recently used ones are removed until the cache "
+    "folder holds at most this, never those in use (an SD 1.5 UNet takes 1.7-3.4 GB, an SDXL one 5-10 GB). 0: no limit"
 )
 
 #: Settings-tab option: the always-on section's Enable is on by default (new page loads, API requests that do
@@ -129,6 +138,24 @@ class Options:
     """Step caching's depth and full steps (its interval is the panel's, ``AccelerateSettings.step_cache``)."""
     weights_in_file: bool = True
     """PyTorch's copy of the accelerated weights moves into a memory-mapped file before their first compile."""
+    cache_limit_bytes: int | None = None
+    """The disk cache's size limit in bytes (0: none), the backend's ``cache_max_bytes``; None: the backend's
+    default (``ov_backend.DEFAULT_CACHE_MAX_BYTES``, what the option shows until the user changes it)."""
+
+
+def cache_limit_bytes(value: object) -> int:
+    """Bytes of a "Disk cache limit (GB)" value (a number >= 0; GB as powers of 1024, as sizes are shown).
+
+    Raises:
+        ValueError: it is no number >= 0.
+    """
+    try:
+        gigabytes = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        gigabytes = float("nan")
+    if isinstance(value, bool) or not gigabytes >= 0 or gigabytes == float("inf"):
+        raise ValueError(f"the disk cache limit must be a number of GB >= 0 (0: no limit), got {value!r}")
+    return int(gigabytes * (1 << 30))
 
 
 def read_options() -> Options:
@@ -150,6 +177,13 @@ def read_options() -> Options:
     except ValueError as exc:
         logger.warning("Accelerate with OpenVINO: Settings -> OpenVINO: %s; step caching uses its defaults", exc)
         step_cache = default
+    limit_gb = host.option(CACHE_LIMIT_OPTION, None)
+    try:
+        limit = None if limit_gb is None else cache_limit_bytes(limit_gb)
+    except ValueError as exc:
+        logger.warning("Accelerate with OpenVINO: Settings -> OpenVINO: %s; using the default limit", exc)
+        limit = None
     return Options(panel=panel, enable_always=bool(host.option(ENABLE_ALWAYS_OPTION, False)),
                    keep_all_sizes=bool(host.option(KEEP_SIZES_OPTION, False)), previous_weights=previous,
-                   step_cache=step_cache, weights_in_file=bool(host.option(WEIGHTS_IN_FILE_OPTION, True)))
+                   step_cache=step_cache, weights_in_file=bool(host.option(WEIGHTS_IN_FILE_OPTION, True)),
+                   cache_limit_bytes=limit)

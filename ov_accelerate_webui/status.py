@@ -103,3 +103,24 @@ def to_html(text: str, kind: str = "info") -> str:
     """Text -> an HTML block for the panel; ``kind`` is "info", "warning" or "error"."""
     body = "<br>".join(html.escape(line) for line in text.splitlines())
     return f'<div class="ov-accelerate-status ov-accelerate-{kind}">{body}</div>'
+
+
+def cache_line(cache: Mapping[str, int], pruned: int) -> list[str]:
+    """The status line on the disk cache's size against its limit: when entries were pruned, or when the entries in
+    use alone are over it."""
+    if not cache:
+        return []
+    usage = ov_backend.CacheUsage(cache["cache_bytes"], cache["cache_limit_bytes"], cache["cache_in_use_bytes"])
+    if not pruned and not usage.over_limit:
+        return []
+    return [f"Disk cache: {usage.text()}."]
+
+
+def weights_line(weights_in_file: tuple[int, int | None]) -> list[str]:
+    """The status line on PyTorch's weights in files (none when no weight is in a file)."""
+    size, resident = weights_in_file
+    if not size:
+        return []
+    return [f"PyTorch's copy of the accelerated weights: {ov_backend.format_bytes(size)} in a memory-mapped file"
+            + (f", {ov_backend.format_bytes(resident)} of it in memory after the generation." if resident is not None
+               else ".")]

@@ -21,6 +21,8 @@ from . import host
 from .backend_bridge import BackendUnavailable, ov_backend
 from .infotext import expand_pasted
 from .options import (
+    CACHE_LIMIT_LABEL,
+    CACHE_LIMIT_OPTION,
     ENABLE_ALWAYS_LABEL,
     ENABLE_ALWAYS_OPTION,
     KEEP_SIZES_LABEL,
@@ -58,7 +60,7 @@ CONFIG_CLASS = "ov-accelerate-config"
 
 #: Extra controls beyond the settings fields: element-id suffix -> (label, hover hint).
 EXTRA_CONTROLS: dict[str, tuple[str, str]] = {
-    "cache_size": ("Cache size", "Space the compiled models take on disk."),
+    "cache_size": ("Cache size", "Space the compiled models take on disk, against the limit in Settings -> OpenVINO."),
     "clear_cache": ("Clear cache", "Delete every compiled model in the cache folder (asks first)."),
     "precompile": ("Pre-compile", "Compile these sizes now, so a batch job starts at full speed."),
     "precompile_batch": ("Pre-compile batch size", "Batch size the sizes are compiled for."),
@@ -304,6 +306,9 @@ def add_settings_section(extension: Any) -> None:
     host.add_option(ENABLE_ALWAYS_OPTION, False, ENABLE_ALWAYS_LABEL, SECTION)
     host.add_option(KEEP_SIZES_OPTION, False, KEEP_SIZES_LABEL, SECTION)
     host.add_option(WEIGHTS_IN_FILE_OPTION, True, WEIGHTS_IN_FILE_LABEL, SECTION)
+    host.add_option(CACHE_LIMIT_OPTION, ov_backend.DEFAULT_CACHE_MAX_BYTES / (1 << 30), CACHE_LIMIT_LABEL, SECTION,
+                    component=gr.Number,
+                    component_args={"minimum": 0, "precision": 1})
     shape = StepCacheSettings()
     for key, label, value, low in ((STEP_CACHE_DEPTH_OPTION, STEP_CACHE_DEPTH_LABEL, shape.depth, 1),
                                    (STEP_CACHE_START_OPTION, STEP_CACHE_START_LABEL, shape.full_start, 1),

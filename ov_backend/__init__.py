@@ -44,6 +44,7 @@ _EXPORTS = {
     # the disk cache and its files
     "CacheEntry": "ov_backend.cache",
     "CacheUsage": "ov_backend.cache_limit",
+    "cache_usage": "ov_backend.cache_limit",
     "DEFAULT_CACHE_MAX_BYTES": "ov_backend.cache_limit",
     "ModelCache": "ov_backend.cache",
     "atomic_path": "ov_backend.files",
@@ -67,7 +68,7 @@ _EXPORTS = {
     "WeightFile": "ov_backend.weight_file",
 }
 __all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "CacheEntry", "CacheUsage",
-    "check_device", "DEFAULT_CACHE_MAX_BYTES",
+    "cache_usage", "check_device", "DEFAULT_CACHE_MAX_BYTES",
     "CompiledMethod", "CompileReport", "default_cache_dir", "DEFAULT_PRECISION", "describe_eager",
     "device_info", "DeviceInfo", "EagerCalls", "format_bytes", "GraphCollector", "GraphRunCounter",
     "input_signature", "list_devices", "mark_varying", "ModelCache", "OpenVINOFallbackError", "ov_backend",
@@ -77,7 +78,7 @@ __all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.backend import OVBackend, ov_backend
     from ov_backend.cache import CacheEntry, ModelCache
-    from ov_backend.cache_limit import DEFAULT_CACHE_MAX_BYTES, CacheUsage
+    from ov_backend.cache_limit import DEFAULT_CACHE_MAX_BYTES, CacheUsage, cache_usage
     from ov_backend.compiled_method import CompiledMethod, input_signature
     from ov_backend.context import OpenVINOFallbackError
     from ov_backend.devices import DeviceInfo, check_device, device_info, list_devices

@@ -217,7 +217,7 @@ class OVBackend:
         off or unreadable counts as empty."""
         limit = self.settings.cache_max_bytes if self.settings.model_caching else 0
         try:
-            return cache_limit.usage(self.cache, limit)
+            return cache_limit.cache_usage(self.cache, limit)
         except OSError as err:
             logger.warning("could not measure the OpenVINO cache %s: %s", self.cache.root, err)
             return cache_limit.CacheUsage(0, limit, 0)

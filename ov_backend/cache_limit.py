@@ -5,7 +5,7 @@ use while an object that holds what was loaded from it or stored into it lives, 
 compiled from it, or the weight set whose converted model it is), :class:`PruneResult`, :class:`CacheUsage`, and
 :func:`enforce`: after a store, remove the least recently used entries that no one here uses until the cache holds
 at most its limit. An entry in use is never removed; when those alone are over the limit they stay, one WARNING
-says so, and :func:`usage` reports it. Nothing here raises for a file it could not remove (another process may
+says so, and :func:`cache_usage` reports it. Nothing here raises for a file it could not remove (another process may
 prune the same folder, or a file may be read-only): the picture being made matters more than the cache's size.
 
 Another process sharing the folder is not asked what it uses. Folders and files being written (their names start
@@ -151,7 +151,7 @@ def enforce(cache: ModelCache, max_bytes: int, record: Callable[..., None] = lam
     return result
 
 
-def usage(cache: ModelCache, max_bytes: int) -> CacheUsage:
+def cache_usage(cache: ModelCache, max_bytes: int) -> CacheUsage:
     """The size of ``cache``'s entries against ``max_bytes``, and of those in use."""
     in_use = cache.holds.in_use()
     entries = cache.entries()

@@ -43,8 +43,8 @@ class Overflowing:
     precision, or at every precision with ``also_f32``; counts the runs of such graphs per precision."""
 
     def __init__(self, settings: Any, inner: Callable[..., Any], hit: Hit, also_f32: bool, runs: dict,
-                 weight_file: Any = None) -> None:
-        self._inner = inner(settings, weight_file=weight_file)
+                 weight_file: Any = None, cache: Any = None) -> None:
+        self._inner = inner(settings, weight_file=weight_file, cache=cache)
         self.settings = self._inner.settings
         self.precision = self.settings.precision
         self._hit, self._runs = hit, runs
@@ -99,8 +99,8 @@ def overflowing(fake_host: SimpleNamespace, backend_api: Any) -> Iterator[Callab
     def make(hit: Hit, also_f32: bool = False) -> tuple[Extension, dict]:
         runs: dict[str, int] = {}
 
-        def backend_class(settings: Any, weight_file: Any = None) -> Overflowing:
-            return Overflowing(settings, backend_api.backend_class, hit, also_f32, runs, weight_file)
+        def backend_class(settings: Any, weight_file: Any = None, cache: Any = None) -> Overflowing:
+            return Overflowing(settings, backend_api.backend_class, hit, also_f32, runs, weight_file, cache)
 
         api = dataclasses.replace(backend_api, backend_class=backend_class)
         ext = Extension(load_api=lambda: api)
