@@ -206,22 +206,22 @@ class Backends:
         resident = [f.resident_bytes() for f in files]
         return sum(f.file_bytes() for f in files), None if None in resident else sum(r or 0 for r in resident)
 
-    def cache_usage(self) -> dict[str, Any]:
-        """Per cache folder of a backend with the disk cache on: its ``ov_backend.CacheUsage`` (size, limit, what the
-        backends use of it), measured now; a folder that cannot be read counts as empty."""
+    def cache_usage(self, choice: BackendChoice) -> Any:
+        """The ``ov_backend.CacheUsage`` (size, limit, what the backends use of it) of the disk cache ``choice`` uses,
+        measured now, under ``choice``'s limit; None when it has no backend yet or caches nothing. A folder that
+        cannot be read counts as empty."""
         from ov_backend import CacheUsage, cache_usage
 
-        usages: dict[str, Any] = {}
-        for backend in self.all():
-            settings = backend.settings
-            folder = str(settings.cache_dir)
-            if settings.model_caching and folder not in usages:
-                try:
-                    usages[folder] = cache_usage(self.model_cache(settings.cache_dir), settings.cache_max_bytes)
-                except OSError as err:
-                    logger.warning("could not measure the OpenVINO cache %s: %s", folder, err)
-                    usages[folder] = CacheUsage(0, settings.cache_max_bytes, 0)
-        return usages
+        backend = next((b for c, b in self._by_choice().items() if c.model_caching and choice.model_caching
+                        and (c.cache_dir, c.cache_max_bytes) == (choice.cache_dir, choice.cache_max_bytes)), None)
+        if backend is None:
+            return None
+        settings = backend.settings
+        try:
+            return cache_usage(self.model_cache(settings.cache_dir), settings.cache_max_bytes)
+        except OSError as err:
+            logger.warning("could not measure the OpenVINO cache %s: %s", settings.cache_dir, err)
+            return CacheUsage(0, settings.cache_max_bytes, 0)
 
     def mark(self) -> Mark:
         backends = self._by_choice()

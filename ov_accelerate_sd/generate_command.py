@@ -323,11 +323,11 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
         for report in accelerator.backends.reports():
             _err(report.summary())
     pruned = int(stats.get("cache_pruned", 0))
-    for folder, usage in accelerator.backends.cache_usage().items():
-        if pruned or usage.over_limit or args.verbose:
-            _out(f"disk cache {folder}: {usage.text()}"
-                 + (f"; removed {pruned} least recently used entries "
-                    f"({format_bytes(stats.get('cache_pruned_bytes', 0))})" if pruned else ""))
+    usage = accelerator.backends.cache_usage(settings.backend_choice()) if settings.accelerate else None
+    if usage is not None and (pruned or usage.over_limit or args.verbose):
+        _out(f"disk cache: {usage.text()}"
+             + (f"; removed {pruned} least recently used entries "
+                f"({format_bytes(stats.get('cache_pruned_bytes', 0))})" if pruned else ""))
     _out(f"{len(saved)} image(s) in {args.out}: load {load_seconds:.1f}s, "
          f"{times.describe(stats if settings.accelerate else None)} "
          f"(OpenVINO calls {int(stats.get('ov_calls', 0))}, PyTorch calls {int(stats.get('eager_calls', 0))}, "

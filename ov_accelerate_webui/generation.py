@@ -19,7 +19,6 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ov_accelerate_sd.openvino_entry import PART_NAMES
@@ -222,11 +221,8 @@ class Generation:
                 f"before it: {self.session.calls()}.")
 
     def _cache_usage(self) -> dict[str, int]:
-        """The disk cache the generation used, against its limit (empty with the cache off, or unreadable)."""
-        choice = self.prepared.choice
-        if not choice.model_caching or not choice.cache_dir:
-            return {}
-        usage = self.accelerator.backends.cache_usage().get(str(Path(choice.cache_dir).expanduser()))
+        """The disk cache the generation used, against its limit (empty with the cache off)."""
+        usage = self.accelerator.backends.cache_usage(self.prepared.choice)
         return usage.as_dict() if usage is not None else {}
 
     def finish(self, calibrate: bool, vae_methods: tuple[str, str] = ("", "")) -> RunRecord:

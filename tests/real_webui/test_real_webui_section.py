@@ -9,7 +9,9 @@ text encoder through OpenVINO with nothing in PyTorch.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -323,3 +325,83 @@ def test_taesd_decode_is_named_and_the_rest_accelerated(webui: WebUI) -> None:
     value = min_psnr(stock, fast)
     webui.record(f"section: TAESD decode (moves stock by {moved:.1f} dB; VAE decoder not called)", value, fast)
     assert value >= MIN_PSNR
+
+
+
+MIB = 1 << 20
+
+
+def _earlier_sessions(folder: Path, count: int) -> list[str]:
+    """``count`` cache entries of 1 MiB each, as earlier sessions left them (last used 1-``count`` hours ago, the
+    first the oldest), and a store another process is writing (a temporary folder); returns the keys, oldest first."""
+    import time
+
+    import openvino as ov
+
+    from ov_backend import ModelCache
+
+    cache = ModelCache(folder)
+    keys = []
+    for i in range(count):
+        key = f"earlier-session-{i}"
+        param = ov.opset13.parameter([MIB // 4], ov.Type.f32)
+        weight = ov.opset13.constant(np.full(MIB // 4, float(i), np.float32))
+        cache.store(key, ov.Model([ov.opset13.add(param, weight)], [param], key), "an earlier session's model")
+        when = time.time() - 3600 * (count - i)
+        os.utime(cache.models_dir / key / "meta.json", (when, when))
+        keys.append(key)
+    writing = cache.models_dir / ".tmp-another-process-writing"
+    writing.mkdir()
+    (writing / "model.bin").write_bytes(b"\0" * 4096)
+    return keys
+
+
+def _entry_bytes(folder: Path) -> int:
+    """What the cache's entries take on disk, counted here with ``os.walk`` (models/, blobs/, captures/; not a
+    store being written, nor ``weights/``, PyTorch's weights moved out of memory, which are no entries)."""
+    total = 0
+    for sub in ("models", "blobs", "captures"):
+        for root, dirs, files in os.walk(folder / sub):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            total += sum(os.path.getsize(os.path.join(root, name)) for name in files if not name.startswith("."))
+    return total
+
+
+def test_disk_cache_limit_prunes_old_entries_and_keeps_the_ones_in_use(webui: WebUI, tmp_path: Path) -> None:
+    """Settings -> OpenVINO -> "Disk cache limit (GB)" set through ``/sdapi/v1/options``: the first generation stores
+    its models in a cache holding five old entries and prunes the least recently used until the folder is under the
+    limit; a limit below what the WebUI uses keeps every entry in use (a WARNING, once) and the generations at new
+    sizes still make their pictures; the status route reports the size, the limit and what was pruned as numbers."""
+    from .test_real_webui import accelerated, request
+
+    folder = tmp_path / "limited-cache"  # this test's own cache folder: the tier's other tests keep theirs
+    old = _earlier_sessions(folder, 5)
+    args = [*F32_ARGS[:-1], str(folder)]
+    limit = 10 * MIB  # the WebUI's own entries (about 6.5 MiB on the tiny models) and a few old ones
+    with webui_option(webui, "openvino_cache_limit_gb", limit / (1 << 30)):
+        first = webui.generate(accelerated(request("a quiet lake", width=64, height=64), args))
+        status = webui.status()
+    assert first.images and status["accelerated"], status["status"]
+    left = [key for key in old if (folder / "models" / key).is_dir()]
+    pruned = old[:len(old) - len(left)]
+    assert pruned and left == old[len(pruned):], (pruned, left)  # least recently used first
+    assert status["cache_limit_bytes"] == limit
+    assert status["cache_pruned"] == len(pruned) and status["cache_pruned_bytes"] >= len(pruned) * MIB
+    assert status["cache_bytes"] == _entry_bytes(folder) <= limit, status
+    assert (folder / "models" / ".tmp-another-process-writing" / "model.bin").is_file()  # never a store in progress
+    in_use = {p.relative_to(folder) for sub in ("models", "captures") for p in (folder / sub).iterdir()
+              if not p.name.startswith((".", "earlier-session-"))}
+    assert len(in_use) >= 3 and status["cache_in_use_bytes"] > 0, in_use
+
+    tiny = MIB  # smaller than what the WebUI uses: those stay, the WebUI says so, the pictures are made
+    with webui_option(webui, "openvino_cache_limit_gb", tiny / (1 << 30)):
+        for width, height in ((64, 96), (96, 64)):
+            run = webui.generate(accelerated(request("a quiet lake", width=width, height=height), args))
+            assert run.images and np.std(run.images[0]) > 5
+        status = webui.status()
+    assert not any((folder / "models" / key).exists() for key in old)
+    assert in_use <= {p.relative_to(folder) for sub in ("models", "captures") for p in (folder / sub).iterdir()}
+    assert status["cache_limit_bytes"] == tiny and status["cache_bytes"] == _entry_bytes(folder) > tiny
+    assert status["cache_in_use_bytes"] == status["cache_bytes"], status
+    assert "Disk cache:" in status["status"] and "limit (over it:" in status["status"], status["status"]
+    assert webui.log_text().count("over its limit of 1.0 MiB") == 1, webui.log_tail()

@@ -453,7 +453,7 @@ def test_generate_keeps_the_cache_under_its_limit_but_never_what_it_uses(tmp_pat
     assert (tmp_path / "out" / "00000-3.png").is_file()
     keys = {e.key for e in ModelCache(cache_dir).entries()}
     assert "an-old-model" not in keys and keys  # this run's entries stay: they were in use until it ended
-    (line,) = [line for line in stdout.splitlines() if line.startswith("disk cache ")]
+    (line,) = [line for line in stdout.splitlines() if line.startswith("disk cache: ")]
     assert "of 1.0 KiB limit (over it:" in line and "in use" in line, stdout
     assert re.search(r"removed [1-9]\d* least recently used entries", line), line
     assert "over its limit of 1.0 KiB" in stderr  # the WARNING, once
