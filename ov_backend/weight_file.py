@@ -52,7 +52,14 @@ MIN_FREE_AFTER = 1 << 30
 #: File systems that keep files in memory: a weight file there saves nothing.
 MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 #: While a model packs its weights, the file's pages leave the process this often (see :meth:`WeightHome.packing`).
-PACKING_DROP_SECONDS = 0.5
+#: OpenVINO's CPU plugin reads a whole model's constants within a second or two while it compiles (full-size SD 1.5
+#: at 0.5 s: all 3.2 GiB of them resident at once for a moment; at 0.05 s: 0.2 GiB). A drop of nothing costs
+#: about 40 microseconds on an 8 GiB file.
+PACKING_DROP_SECONDS = 0.05
+#: The rest of the time (a generation run by PyTorch reading its weights from the file, stock A1111 in between,
+#: a LoRA written), this often: PyTorch reads every weight once per step, so the pages it faults in leave the
+#: process within a second instead of adding up to the whole model until the next accelerated generation.
+IDLE_DROP_SECONDS = 1.0
 #: Pages dropped from the process at most this many bytes at a time while tensors move in.
 _DROP_EVERY = 256 << 20
 
@@ -152,6 +159,10 @@ class WeightFile:
         self._maps: list[_Mapping] = []
         #: id -> weak reference of every tensor :meth:`take` was given: a build may have converted it since
         self._seen: dict[int, weakref.ref[torch.Tensor]] = {}
+        #: the thread that drops the files' pages from the process while any file is mapped (see :meth:`_keep`)
+        self._keeper: threading.Thread | None = None
+        self._packing = 0
+        self._wake = threading.Event()
 
     # -- moving tensors in ------------------------------------------------------------------------------
     def unavailable(self) -> str | None:
@@ -225,6 +236,7 @@ class WeightFile:
         mapping.mm.madvise(mmap.MADV_DONTNEED)
         with self._lock:
             self._maps.append(mapping)
+            self._start_keeper()
         give_back_freed_memory()  # the old storages were freed; most were in the C heap
         result.moved_bytes = size
         result.seconds = time.perf_counter() - start
@@ -275,6 +287,42 @@ class WeightFile:
         return _Mapping(mm, total, path)
 
     # -- memory ------------------------------------------------------------------------------------------
+    def _start_keeper(self) -> None:
+        with self._lock:
+            if self._keeper is None:
+                self._keeper = threading.Thread(target=self._keep, name="ov_backend_weight_pages", daemon=True)
+                self._keeper.start()
+
+    def _keep(self) -> None:
+        """Drop the files' pages every :data:`PACKING_DROP_SECONDS` while a model packs, every
+        :data:`IDLE_DROP_SECONDS` otherwise, until no file is mapped: whatever read them (OpenVINO packing its
+        copy, PyTorch running a part or a whole stock generation, a LoRA written) gives them back to the page cache
+        within that time, so PyTorch's copy never builds up in the process again. Dropping pages is always safe."""
+        while True:
+            with self._lock:
+                if not self._maps:
+                    self._keeper = None
+                    return
+                interval = PACKING_DROP_SECONDS if self._packing else IDLE_DROP_SECONDS
+            if self._wake.wait(interval):
+                self._wake.clear()
+            self.drop_resident()
+
+    @contextmanager
+    def packing(self) -> Iterator[None]:
+        """While in it, the pages leave every :data:`PACKING_DROP_SECONDS` (a model compiles and packs its
+        weights: it reads all of them within seconds); at its start and end, at once."""
+        self.drop_resident()
+        with self._lock:
+            self._packing += 1
+        self._wake.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._packing -= 1
+            self.drop_resident()
+
     def drop_resident(self) -> None:
         """Take the files' pages out of the process (they stay in the file and the page cache); whatever
         reads them next faults them back in. Always safe. Files none of whose tensors is alive are closed
@@ -357,22 +405,12 @@ class WeightHome:
     @contextmanager
     def packing(self) -> Iterator[None]:
         """While OpenVINO compiles a model and packs its weights (its first inference), or the weights are
-        fingerprinted: each weight is read once, so the pages read are taken out of the process every
-        :data:`PACKING_DROP_SECONDS` instead of all at the end, and the file's pages never add up to a whole
-        model beside OpenVINO's copy (a full SDXL UNet: 9.6 GiB at f32). Afterwards every page goes."""
-        done = threading.Event()
-
-        def drop() -> None:
-            while not done.wait(PACKING_DROP_SECONDS):
-                self.file.drop_resident()
-
-        self.file.drop_resident()  # (what read them before, e.g. fingerprinting, left them in)
-        dropper = threading.Thread(target=drop, name="ov_backend_weight_pages", daemon=True)
-        dropper.start()
+        fingerprinted: each weight is read once, so the pages read leave the process every
+        :data:`PACKING_DROP_SECONDS` instead of every :data:`IDLE_DROP_SECONDS`, and the file's pages never add up
+        to a whole model beside OpenVINO's copy (a full SDXL UNet: 9.6 GiB at f32). Afterwards every page goes,
+        and the C heap gives back what compiling freed."""
         try:
-            yield
+            with self.file.packing():
+                yield
         finally:
-            done.set()
-            dropper.join()
-            self.file.drop_resident()
             give_back_freed_memory()  # what compiling freed

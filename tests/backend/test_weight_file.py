@@ -12,12 +12,13 @@ import gc
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from ov_backend import OVBackend, WeightFile
+from ov_backend import OVBackend, WeightFile, weight_file
 from ov_backend.weight_file import file_system_of
 
 from .conftest import F32_ATOL, F32_RTOL, f32_backend
@@ -47,7 +48,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def test_compiled_weights_move_to_the_file_and_leave_the_process(tmp_path: Path) -> None:
+def test_compiled_weights_move_to_the_file_and_leave_the_process(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weight_file, "IDLE_DROP_SECONDS", 3600.0)  # (the pages PyTorch reads stay until asked)
     model = mlp()
     params = list(model.parameters())
     backend = f32_backend(tmp_path, weights_in_file=True)
@@ -79,6 +82,26 @@ def test_compiled_weights_move_to_the_file_and_leave_the_process(tmp_path: Path)
         backend.drop_resident_weights()
         assert mapped_weight_rss() == 0
     assert any("memory-mapped file" in line for line in backend.stats_counter.snapshot().text_lines())
+
+
+def test_pages_pytorch_reads_leave_the_process_on_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between accelerated generations PyTorch may run the whole model from the file (stock A1111, a fallback):
+    the pages it reads leave the process within about IDLE_DROP_SECONDS, without any call, and the values stay."""
+    monkeypatch.setattr(weight_file, "IDLE_DROP_SECONDS", 0.1)
+    model = mlp()
+    backend = f32_backend(tmp_path, weights_in_file=True)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        want = model(x)
+        compiled(x)
+        assert mapped_weight_rss() == 0
+        for _ in range(3):
+            torch.testing.assert_close(model(x), want, rtol=0, atol=0)  # read from the file, in PyTorch
+            deadline = time.monotonic() + 30
+            while mapped_weight_rss() > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert mapped_weight_rss() == 0
 
 
 def test_without_the_option_nothing_moves(tmp_path: Path) -> None:
