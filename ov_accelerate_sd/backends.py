@@ -52,9 +52,10 @@ class BackendChoice:
     weights_in_file: bool = True
     """PyTorch's copy of the weights OpenVINO runs moves into a memory-mapped file (``cache_dir``/weights) before
     the first conversion, so memory holds one copy of each (``ov_backend`` option ``weights_in_file``)."""
-    cache_max_bytes: int | None = None
+    cache_max_bytes: int | None = dataclasses.field(default=None, compare=False)
     """The disk cache's size limit in bytes (``ov_backend`` option ``cache_max_bytes``; 0: no limit); None:
-    ov_backend's default."""
+    ov_backend's default. Not part of the key: it is the folder's, set on the cache the backends share, so a
+    new limit needs no new backend (nor a compile)."""
 
     @property
     def quantized(self) -> bool:
@@ -137,6 +138,9 @@ class Backends:
                 make = self._make or (lambda c, w: OVBackend(settings, weight_file=w, cache=cache))
                 backend = make(choice, weight_file)
                 counter = self._counters[choice] = GraphRunCounter(backend)
+            shared = getattr(counter.backend, "cache", None)
+            if choice.cache_max_bytes is not None and shared is not None:
+                shared.max_bytes = choice.cache_max_bytes  # the folder's limit, for every backend sharing it
             return counter
 
     def model_cache(self, folder: Any) -> Any:
@@ -213,15 +217,16 @@ class Backends:
         from ov_backend import CacheUsage, cache_usage
 
         backend = next((b for c, b in self._by_choice().items() if c.model_caching and choice.model_caching
-                        and (c.cache_dir, c.cache_max_bytes) == (choice.cache_dir, choice.cache_max_bytes)), None)
+                        and c.cache_dir == choice.cache_dir), None)
         if backend is None:
             return None
         settings = backend.settings
+        limit = backend.build_context.cache_limit()
         try:
-            return cache_usage(self.model_cache(settings.cache_dir), settings.cache_max_bytes)
+            return cache_usage(self.model_cache(settings.cache_dir), limit)
         except OSError as err:
             logger.warning("could not measure the OpenVINO cache %s: %s", settings.cache_dir, err)
-            return CacheUsage(0, settings.cache_max_bytes, 0)
+            return CacheUsage(0, limit, 0)
 
     def mark(self) -> Mark:
         backends = self._by_choice()

@@ -215,7 +215,7 @@ class OVBackend:
     def cache_usage(self) -> cache_limit.CacheUsage:
         """The disk cache's size against its limit (0: none), and what of it this process uses; a cache that is
         off or unreadable counts as empty."""
-        limit = self.settings.cache_max_bytes if self.settings.model_caching else 0
+        limit = self.build_context.cache_limit() if self.settings.model_caching else 0
         try:
             return cache_limit.cache_usage(self.cache, limit)
         except OSError as err:

@@ -124,6 +124,9 @@ class ModelCache:
         self.root = Path(root)
         #: the entries objects of this process use (never pruned; see :mod:`ov_backend.cache_limit`)
         self.holds = Holds()
+        #: the folder's size limit in bytes set by whoever shares this object among backends (0: none); it
+        #: overrides each backend's ``cache_max_bytes``, so changing it needs no new backend. None: the backends'.
+        self.max_bytes: int | None = None
 
     @property
     def models_dir(self) -> Path:

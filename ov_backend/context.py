@@ -102,10 +102,15 @@ class BuildContext:
                     self.cache.holds.hold(keys, holder)
 
     def enforce_cache_limit(self, keep: Iterable[str] = ()) -> None:
-        """Prune the disk cache to ``settings.cache_max_bytes`` (see :func:`ov_backend.cache_limit.enforce`),
+        """Prune the disk cache to :meth:`cache_limit` (see :func:`ov_backend.cache_limit.enforce`),
         keeping the entries in use and ``keep``; never raises for the files."""
-        if self.settings.model_caching and self.settings.cache_max_bytes:
-            cache_limit.enforce(self.cache, self.settings.cache_max_bytes, self.stats.add, keep)
+        limit = self.cache_limit()
+        if self.settings.model_caching and limit:
+            cache_limit.enforce(self.cache, limit, self.stats.add, keep)
+
+    def cache_limit(self) -> int:
+        """The disk cache's size limit in bytes (0: none): the shared cache's own if set, else the settings'."""
+        return self.cache.max_bytes if self.cache.max_bytes is not None else self.settings.cache_max_bytes
 
     def fail(self, message: str, err: BaseException | None = None) -> None:
         """A visible fallback to PyTorch: a WARNING with ``message``, or raise when ``strict``.

@@ -79,6 +79,15 @@ def test_the_limit_reaches_the_backend_prunes_and_is_reported(fake_host: SimpleN
     assert sum("over its limit" in r.getMessage() for r in caplog.records) == 1
     assert app.routes[STATUS_PATH]()["cache_limit_bytes"] == limit
 
+    # a new limit is the cache folder's, not a new backend's: the same backends, nothing compiled again, the
+    # status under the new limit (0: none)
+    before = extension.accelerator().backends.all()
+    setattr(fake_host.shared.opts, CACHE_LIMIT_OPTION, 0)
+    extension.run(make_p(fake_host, width=64, height=96), settings)
+    report = app.routes[STATUS_PATH]()
+    assert extension.accelerator().backends.all() == before
+    assert report["compiles"] == 0 and report["cache_limit_bytes"] == 0, report["status"]
+
 
 def test_default_no_limit_and_a_bad_value(fake_host: SimpleNamespace, caplog: Any) -> None:
     from ov_accelerate_webui import create_extension
