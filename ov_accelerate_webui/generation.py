@@ -232,6 +232,8 @@ class Generation:
         self._restore()
         if calibrate and self.accelerator.calibrate(self.prepared):
             logger.info("Accelerate with OpenVINO: the UNet was quantized to INT8 on this generation's steps")
+        # between generations OpenVINO holds its weights, not the last size's activations
+        self.accelerator.backends.release_intermediate_memory()
         # what read PyTorch's weights during the generation (a LoRA written, a part run in PyTorch) leaves them
         self.accelerator.backends.drop_resident_weights()
         session, prepared = self.session, self.prepared
