@@ -124,7 +124,17 @@ class Scenario:
                 payload["alwayson_scripts"] = {SECTION_TITLE: {"args": [True, *script_args(mode, row.step_cache)]}}
             elif mode != "stock":
                 payload.update(script_name=SCRIPT_NAME, script_args=script_args(mode, row.step_cache))
-            timed = self.ui.timed_generate(payload)
+            peak_reset = self.ui.reset_peak()  # the request's own peak, without the load's
+            if row.token_merging:  # (an override_settings of an option never set is not restored by A1111)
+                self.ui.call("/sdapi/v1/options", {"token_merging_ratio": row.token_merging})
+            try:
+                timed = self.ui.timed_generate(payload)
+            finally:
+                if row.token_merging:
+                    self.ui.call("/sdapi/v1/options", {"token_merging_ratio": 0.0})
+            if peak_reset:
+                record["request_peak"] = self.ui.memory()["peak"]
+            record["rss_timeline"] = timed.timeline
             record.update(seconds=timed.seconds, s_per_it=timed.s_per_it, s_per_it_from_progress=timed.from_progress,
                           steps=timed.steps, images=timed.images)
             self._pictures.setdefault((mode, row.key), timed.picture)
@@ -141,6 +151,7 @@ class Scenario:
                                                           "cache_hits", "ov_calls", "eager_calls",
                                                           "lora_write_seconds", "generations", "step_cache")})
                 record["status"] = status.get("status", "")
+                record["pytorch_parts"] = sorted(status.get("pytorch") or {})
         except (AssertionError, OSError, RuntimeError) as err:
             record["error"] = str(err)[:2000]
             logger.warning("%s / %s failed: %s", mode, row.key, str(err)[:300])

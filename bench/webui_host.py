@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ class Timed:
     images: int
     infotext: str
     picture: Any = None
+    timeline: list[tuple[float, float, str]] = field(default_factory=list)
+    """(seconds into the request, the WebUI's RSS in GiB, A1111's progress text then), every poll: where in
+    a request its memory peaks."""
     """The first image (an RGB array), to compare with stock's for the same request."""
 
 
@@ -75,6 +78,8 @@ class BenchWebUI(WebUI):
         timed. Values from before the job began (``job_count == 0``) are ignored.
         """
         seen: dict[int, float] = {}
+        timeline: list[tuple[float, float, str]] = []
+        began = time.time()
         done = threading.Event()
         self.peak_seen, self.least_available = 0.0, None
 
@@ -85,6 +90,8 @@ class BenchWebUI(WebUI):
                     state = self.get("/sdapi/v1/progress?skip_current_image=true", timeout=30)["state"]
                 except (AssertionError, OSError, KeyError, ValueError):
                     continue
+                timeline.append((round(time.time() - began, 1), round(self.memory()["rss"], 2),
+                                 f"{state.get('textinfo') or ''} step {state.get('sampling_step', 0)}"[:100]))
                 step = int(state.get("sampling_step", 0))
                 if state.get("job_count", 0) != 0 and step >= 1 and step not in seen:
                     seen[step] = time.time()
@@ -104,7 +111,7 @@ class BenchWebUI(WebUI):
         else:
             s_per_it = result.seconds / steps
         return Timed(result.seconds, steps, s_per_it, from_progress, len(result.images),
-                     (result.infotexts or [""])[0], result.images[0] if result.images else None)
+                     (result.infotexts or [""])[0], result.images[0] if result.images else None, timeline)
 
     def _watch_memory(self) -> None:
         """The WebUI's peak RSS and the machine's least available memory seen during the request: what is
@@ -127,6 +134,21 @@ class BenchWebUI(WebUI):
             if fields.get("VmHWM", 0) > best["peak"] * GIB:
                 best = {"rss": fields.get("VmRSS", 0) / GIB, "peak": fields["VmHWM"] / GIB}
         return best
+
+    def reset_peak(self) -> bool:
+        """Start the WebUI's peak RSS (VmHWM) again from its RSS now (``/proc/<pid>/clear_refs``), so the
+        peak after a request is that request's own, not the checkpoint load's or an earlier request's.
+        False where the kernel does not allow it (the peak then stays the process's)."""
+        if self.process is None:
+            return False
+        done = False
+        for pid in _session_pids(self.process.pid):
+            try:
+                Path(f"/proc/{pid}/clear_refs").write_text("5")
+                done = True
+            except OSError:
+                return False
+        return done
 
     def cache_dir(self) -> Path:
         """The extension's default disk cache: ``openvino_cache`` under the WebUI's models folder."""

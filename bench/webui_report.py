@@ -177,6 +177,7 @@ def markdown(results: dict[str, Any]) -> str:
         label = next(r["label"] for r in rows if r["key"] == key)
         lines.append(f"| {label} | " + " | ".join(_num(_find(rows, m, key).get("psnr_vs_stock")) for m in modes) + " |")
     lines += step_cache_lines(rows, modes)
+    lines += request_peak_lines(rows, modes)
     lines += ["", "## Memory and disk cache", "",
               "| after | process | peak RSS GiB (VmHWM) | RSS GiB | disk cache |", "|---|---|---|---|---|"]
     for p in phases:
@@ -190,6 +191,28 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_num(r.get('peak_seen'), '{:.2f}')} GiB, the machine's least available memory "
             f"{_num(r.get('least_available_gib'), '{:.2f}')} GiB)" for r in errors]
     return "\n".join(lines) + "\n"
+
+
+def request_peak_lines(rows: list[dict[str, Any]], modes: list[str]) -> list[str]:
+    """Each request's own peak RSS: the WebUI's VmHWM started again (``clear_refs``) after the checkpoint
+    load and before the request, read after it; against stock's for the same request."""
+    if not any(r.get("request_peak") for r in rows):
+        return []
+    lines = ["", "## Peak RSS of each request (GiB)", "",
+             "The WebUI's peak resident memory during the request alone: its VmHWM is started again from its RSS "
+             "after the checkpoint load and before the request (`/proc/<pid>/clear_refs`), so neither the load's "
+             "peak nor an earlier request's hides it.", "",
+             "| request | stock | " + " | ".join(f"{m} | {m} / stock" for m in modes) + " |",
+             "|---|---|" + "---|---|" * len(modes)]
+    for key in dict.fromkeys(r["key"] for r in rows):
+        first = next(r for r in rows if r["key"] == key)
+        stock = _find(rows, "stock", first.get("reference") or key).get("request_peak")
+        line = f"| {first['label']} | {_num(stock, '{:.2f}')} |"
+        for m in modes:
+            mine = _find(rows, m, key).get("request_peak")
+            line += f" {_num(mine, '{:.2f}')} | {_num(_ratio(mine, stock), '{:.2f}x')} |"
+        lines.append(line)
+    return lines
 
 
 def step_cache_lines(rows: list[dict[str, Any]], modes: list[str]) -> list[str]:

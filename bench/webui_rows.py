@@ -49,6 +49,9 @@ class Row(NamedTuple):
     step_cache: int = 1
     """The accelerated request's step caching interval (1: off). Stock has no step caching and does not run
     a row with it: its picture is the reference row's."""
+    token_merging: float = 0.0
+    """A1111's Token merging ratio for the request (0: off). With it on, the extension runs the UNet in PyTorch
+    (a fallback, said in the status): with PyTorch's weights in the file, they are read back from it."""
     reference: str = ""
     """The row whose prompt (so A1111's conditioning) and stock picture this one shares; empty: its own."""
 
@@ -65,6 +68,7 @@ ROWS: tuple[Row, ...] = (
     Row("switch_back", "switch back", 0, False, 0, None),
     Row("lora", "LoRA added (weight 1)", 0, False, 0, 1.0),
     Row("lora_change", "LoRA weight 1 -> 0.5", 0, False, 0, 0.5),
+    Row("fallback", "Token merging 0.5: the UNet in PyTorch (a fallback)", 0, False, 0, None, token_merging=0.5),
     Row("prompts_file", "Prompts from file: a job of 4 prompts (section)", 0, False, 0, None, prompts_job=4),
     # step caching: the first request builds its two models; the others measure it warm, against "again"
     Row("cache2_first", "step caching every 2 steps, first (builds its models)", 0, False, 0, None,

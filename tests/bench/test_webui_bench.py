@@ -39,9 +39,16 @@ def test_tiny_run_measures_every_row(tmp_path):
             assert "error" not in record, record
             assert record["seconds"] > 0 and record["images"] == (row.prompts_job or record["batch"]), record
             assert record["peak"] > 0, record
+            # the request's own peak (VmHWM started again before it): at most the process's, and seen in the
+            # RSS sampled through the request
+            assert 0 < record["request_peak"] <= record["peak"], record
+            sampled = [rss for _, rss, _ in record["rss_timeline"]]  # (none in a tiny request shorter than a poll)
+            assert max(sampled, default=0) <= record["request_peak"] + 0.01, record
     for row in (*ROWS, RESTART):
         record = rows[("auto", row.key)]
         assert record["accelerated"] and record["ov_calls"] > 0 and record["eager_calls"] == 0, record["status"]
+        # the fallback row (Token merging) runs the UNet in PyTorch, reading its weights back from the file
+        assert record["pytorch_parts"] == (["model.diffusion_model"] if row.key == "fallback" else []), (row.key, record["status"])
     assert rows[("auto", "again")]["compiles"] == 0, rows[("auto", "again")]["status"]
     # back to the first size after two others: its compiled models were released (each generation keeps
     # what it uses), so it is a compile of the model converted before, never a conversion
@@ -57,6 +64,7 @@ def test_tiny_run_measures_every_row(tmp_path):
     for row in (*ROWS, RESTART):
         assert rows[("auto", row.key)]["psnr_vs_stock"] > 25, (row.key, rows[("auto", row.key)].get("psnr_vs_stock"))
     assert "## Images against stock (PSNR dB)" in table
+    assert "## Peak RSS of each request (GiB)" in table
     # step caching: shallow UNet calls on the cached steps, the image close to the same mode's uncached one
     assert ("stock", "cache2") not in rows
     for row in (r for r in ROWS if r.step_cache > 1):
