@@ -181,6 +181,10 @@ class Backends:
         resident = [f.resident_bytes() for f in files]
         return sum(f.file_bytes() for f in files), None if None in resident else sum(r or 0 for r in resident)
 
+    def compiled_models(self) -> int:
+        """Compiled OpenVINO models every backend holds in memory now (``OVBackend.compiled_models``)."""
+        return sum(backend.compiled_models() for backend in self.all())
+
     def mark(self) -> Mark:
         backends = self._by_choice()
         return Mark(backends, {c: len(b.reports) for c, b in backends.items()},

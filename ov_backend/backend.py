@@ -215,6 +215,13 @@ class OVBackend:
         with self._lock:
             return list(self._reports)
 
+    def compiled_models(self) -> int:
+        """How many compiled OpenVINO models this backend's graphs hold in memory now (what a use window releases;
+        converted models kept for a later compile are not counted)."""
+        with self._lock:
+            graphs = list(self._graphs)
+        return sum(graph.models_held() for graph in graphs)
+
     def stats(self) -> dict[str, float]:
         """The counters by name (the fields of :class:`ov_backend.report.Stats`): compile_seconds (with
         trace_seconds, convert_seconds, ov_compile_seconds, quantize_seconds, hash_seconds), run_seconds,

@@ -97,6 +97,10 @@ class CompiledGraph:
         finally:
             self._lock.release()
 
+    def models_held(self) -> int:
+        """How many compiled OpenVINO models this graph holds now (for every set of weights it keeps)."""
+        return self._weights.models_held()
+
     def release_compiled(self) -> int:
         """Release every compiled model of this graph that it can compile again from what it keeps (the
         converted or quantized models stay), e.g. when its owner runs this part at another precision now;
