@@ -231,14 +231,16 @@ class OVBackend:
         return self.stats_counter.snapshot().as_dict()
 
     def reset(self) -> None:
-        """Drop compiled graphs, reports, counters and weight digests.
+        """Drop compiled graphs (and every model they built), reports, counters and weight digests.
 
         ``torch._dynamo.reset()`` calls this on every backend it used, so that nothing compiled
         outlives dynamo's own caches.
         """
         with self._lock:
-            self._graphs.clear()
+            graphs, self._graphs = self._graphs, []
             self._reports.clear()
+        for graph in graphs:  # (dynamo may still reference them: what they built goes now)
+            graph.dispose()
         self.build_context.shared.clear()
         self.stats_counter.reset()
         self.digests.clear()
