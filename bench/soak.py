@@ -15,6 +15,7 @@ request and seed, for the PSNR against stock. :mod:`bench.soak_bounds` decides t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shlex
 import shutil
@@ -253,7 +254,8 @@ class Soak:
                 return
             yield req
 
-    def run(self) -> dict[str, Any]:
+    def run(self, stock: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The stream against a started WebUI; ``stock``: the records of the stock baseline, for the bounds."""
         self.ui.start()
         self.results["start_seconds"] = self.ui.start_seconds
         self.results["after_start"] = self.ui.tree_memory()
@@ -273,14 +275,16 @@ class Soak:
             self.progress(self.results)
             if self.ui.process is None or self.ui.process.poll() is not None:
                 break
-        self.results["bounds"] = [b.as_dict() for b in self.bounds()]
+        if self.ui.process is not None and self.ui.process.poll() is None:
+            self.switch(0)  # (a WebUI started again on this data folder starts where this run did)
+        self.results["bounds"] = [b.as_dict() for b in self.bounds(stock)]
         return self.results
 
-    def bounds(self) -> list[soak_bounds.Bound]:
+    def bounds(self, stock: list[dict[str, Any]] | None) -> list[soak_bounds.Bound]:
         options = self.results["options"]
         return soak_bounds.evaluate(self.results["records"], keep_all_sizes=bool(options.get(KEEP_SIZES_OPTION)),
                                     previous_weights=str(options.get(PREVIOUS_WEIGHTS_OPTION) or "auto"),
-                                    precision=self.config.precision)
+                                    precision=self.config.precision, stock=stock)
 
 
 def prepare_soak(config: SoakSettings, work: Path) -> tuple[BenchWebUI, tuple[str, str], str]:
@@ -307,6 +311,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-every", type=int, help="compare every Nth request with stock (default 4)")
     p.add_argument("--stock", action="store_true", help="the extension off for every request: stock A1111's own "
                                                         "curve for the same stream")
+    p.add_argument("--stock-baseline", action="store_true",
+                   help="first the same stream with the extension off (a WebUI process of its own): stock's RSS curve "
+                        "beside the run's, and the bound on the extension's growth beyond stock's")
     p.add_argument("--previous-weights", choices=("auto", "keep", "release"),
                    help="Settings -> OpenVINO's choice for the previous weights' models (default: the WebUI's)")
     p.add_argument("--testbed", type=Path, help="the test bed (default $A1111_ROOT or build/a1111-testbed)")
@@ -332,7 +339,13 @@ def run_soak(config: SoakSettings, command: str, note: str | None = None) -> dic
     try:
         ui, checkpoints, lora = prepare_soak(config, work)
         header["extension_commit"] = extension_commit(ui)
-        results = Soak(config, ui, checkpoints, lora, write).run()
+        stock = None
+        if config.stock_baseline:  # the same stream, extension off, in a WebUI process of its own
+            baseline = Soak(dataclasses.replace(config, stock=True), ui, checkpoints, lora, lambda r: None).run()
+            stock = baseline["records"]
+            header["stock_baseline"] = {"records": stock, "after_start": baseline["after_start"]}
+            ui.stop()
+        results = Soak(config, ui, checkpoints, lora, write).run(stock)
     finally:
         if ui is not None:
             ui.stop()
@@ -351,7 +364,8 @@ def main(argv: Sequence[str]) -> int:
                "sizes": tuple(args.sizes) if args.sizes else None, "new_size_every": args.new_size_every,
                "size_step": args.size_step,
                "steps": args.steps, "precision": args.precision, "sample_every": args.sample_every,
-               "previous_weights": args.previous_weights, "stock": args.stock or None, "testbed": args.testbed,
+               "previous_weights": args.previous_weights, "stock": args.stock or None,
+               "stock_baseline": args.stock_baseline or None, "testbed": args.testbed,
                "out": args.out,
                "name": args.name, "work_dir": args.work_dir, "min_available_gib": args.min_available_gib}
     try:

@@ -60,6 +60,29 @@ def rss_flat(records: Sequence[Mapping[str, Any]]) -> Bound:
                  growth <= RSS_GROWTH)
 
 
+def _growth(records: Sequence[Mapping[str, Any]]) -> tuple[float, float] | None:
+    """(first half's mean, last half's mean) of the RSS after the warm-up; None with too few requests."""
+    series = _after_warmup(records, "rss_gib")
+    if len(series) < MIN_AFTER_WARMUP:
+        return None
+    first, last = _halves(series)
+    return sum(first) / len(first), sum(last) / len(last)
+
+
+def rss_beyond_stock(records: Sequence[Mapping[str, Any]], stock: Sequence[Mapping[str, Any]]) -> Bound:
+    """The extension's RSS growth less stock A1111's own for the same stream, against the 5% of the plateau: what
+    the extension adds to a WebUI that itself grows (A1111 does, on the tiny models)."""
+    rule = (f"after the warm-up, the RSS growth from half to half less stock's for the same stream <= {RSS_GROWTH:.0%} "
+            "of the first half's mean")
+    ours, theirs = _growth(records), _growth(stock)
+    if ours is None or theirs is None:
+        return Bound("rss_beyond_stock", rule, "too few requests after the warm-up (or no stock run)", None)
+    beyond = (ours[1] - ours[0]) - (theirs[1] - theirs[0])
+    measured = (f"{ours[1] - ours[0]:+.3f} GiB against stock's {theirs[1] - theirs[0]:+.3f}: {beyond:+.3f} GiB "
+                f"({beyond / ours[0]:+.1%} of {ours[0]:.3f})")
+    return Bound("rss_beyond_stock", rule, measured, beyond <= RSS_GROWTH * ours[0])
+
+
 def models_bounded(records: Sequence[Mapping[str, Any]], keep_all_sizes: bool) -> Bound:
     rule = ("with Keep every compiled size off: after the warm-up, the compiled models held never exceed the "
             "first half's most (new sizes keep coming in both halves)")
@@ -152,9 +175,10 @@ def pictures_match(records: Sequence[Mapping[str, Any]], precision: str) -> Boun
 
 
 def evaluate(records: Sequence[Mapping[str, Any]], keep_all_sizes: bool = False, previous_weights: str = "",
-             precision: str = "f32") -> list[Bound]:
-    """Every bound of the run."""
-    return [rss_flat(records), models_bounded(records, keep_all_sizes), previous_released(records, previous_weights),
+             precision: str = "f32", stock: Sequence[Mapping[str, Any]] | None = None) -> list[Bound]:
+    """Every bound of the run (``stock``: the records of the same stream with the extension off, if run)."""
+    return [rss_flat(records), *([rss_beyond_stock(records, stock)] if stock is not None else []),
+            models_bounded(records, keep_all_sizes), previous_released(records, previous_weights),
             cache_under_limit(records), no_errors(records), no_image_lost(records), interrupt_as_stock(records),
             pictures_match(records, precision)]
 

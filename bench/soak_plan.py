@@ -67,6 +67,9 @@ class SoakSettings:
     stock: bool = False
     """Every request with the extension off: stock A1111's own curve for the same stream (no picture compared; the
     status fields stay empty), to tell the WebUI's own growth from the extension's."""
+    stock_baseline: bool = False
+    """Before the run, the same stream with the extension off in a WebUI of its own: stock's RSS curve, and the bound
+    on the extension's growth beyond stock's (``rss_beyond_stock``)."""
     previous_weights: str = ""
     """Settings -> OpenVINO's choice for the previous checkpoint's or LoRA's compiled models ("auto", "keep",
     "release"), set before the first request; empty: the WebUI's (default auto)."""

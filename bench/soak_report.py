@@ -35,7 +35,7 @@ def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
                      "new_size_every": config.new_size_every, "size_step": config.size_step,
                      "steps": config.steps, "precision": config.precision,
                      "sample_every": config.sample_every, "previous_weights": config.previous_weights,
-                     "stock": config.stock,
+                     "stock": config.stock, "stock_baseline": config.stock_baseline,
                      "sampler": "Euler", "testbed": testbed_label(Path(config.testbed))},
     }
 
@@ -82,6 +82,12 @@ def markdown(results: dict[str, Any]) -> str:
              f"weights' models {options.get('openvino_previous_weights')}",
              f"- WebUI start {_num(results.get('start_seconds'))} s; RSS of its process tree after the start "
              f"{_num(results.get('after_start', {}).get('rss_gib'), '{:.2f}')} GiB"]
+    baseline = (results.get("stock_baseline") or {}).get("records") or []
+    if baseline:
+        lines.append(f"- Stock baseline: the same stream with the extension off, in a WebUI process of its own "
+                     f"before the run: RSS {_num(baseline[0].get('rss_gib'), '{:.2f}')} -> "
+                     f"{_num(baseline[-1].get('rss_gib'), '{:.2f}')} GiB over {len(baseline)} requests "
+                     "(the grey curve)")
     if results.get("note"):
         lines.append(f"- Note: {results['note']}")
     if records:
@@ -131,6 +137,10 @@ def draw(results: dict[str, Any], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
     ax.plot(x, [r.get("rss_gib") for r in records], marker=".", label="RSS of the WebUI (GiB)")
     ax.plot(x, [r.get("peak_gib") for r in records], linestyle="--", label="peak RSS, VmHWM (GiB)")
+    baseline = (results.get("stock_baseline") or {}).get("records") or []
+    if baseline:
+        ax.plot([r["index"] for r in baseline], [r.get("rss_gib") for r in baseline], color="grey", marker=".",
+                label="RSS, extension off (stock)")
     warm = [r["index"] for r in records if r.get("warmup")]
     if warm:
         ax.axvline(max(warm) + 0.5, color="grey", linestyle=":", label="end of the warm-up")

@@ -50,6 +50,16 @@ def test_rss_growing_a_little_per_request_fails_and_the_warm_up_does_not_count()
     assert by_name(run(n=40, warmup=8, rss=lambda i: 3.0 if i < 24 else 3.18))["rss_flat"].passed is False
 
 
+def test_growth_beyond_stocks_own_decides_the_extensions_share() -> None:
+    stock = run(n=40, warmup=8, rss=lambda i: 1.0 + 0.005 * i)  # A1111 itself creeps: 10% from half to half
+    same = run(n=40, warmup=8, rss=lambda i: 1.2 + 0.005 * i)  # the extension adds a constant
+    more = run(n=40, warmup=8, rss=lambda i: 1.2 + 0.01 * i)  # the extension doubles the creep
+    assert by_name(same)["rss_flat"].passed is False  # the absolute bound sees stock's own growth
+    assert by_name(same, stock=stock)["rss_beyond_stock"].passed is True
+    assert by_name(more, stock=stock)["rss_beyond_stock"].passed is False
+    assert "rss_beyond_stock" not in by_name(same)  # decided only with a stock run
+
+
 def test_one_compiled_model_more_per_new_size_fails_unless_every_size_is_kept() -> None:
     leak = run(n=30, held=lambda i: 4 + i // 4)  # one more every fourth request (a new size each time)
     assert by_name(leak)["models_bounded"].passed is False

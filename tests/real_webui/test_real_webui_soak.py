@@ -1,15 +1,18 @@
 """The soak, short: ``python -m bench soak``'s own code against a real WebUI on the tier's tiny models.
 
-A few dozen requests of the seeded stream (txt2img and img2img at sizes repeated and new, batch size and batch
+First the stream with the extension off (stock's own curve, in a WebUI process of its own), then a few dozen
+requests of the same seeded stream (txt2img and img2img at sizes repeated and new, batch size and batch
 count, Prompts from file and X/Y/Z through the section, the LoRA on, off and at another weight, the second
 checkpoint and back, an Interrupt also run against stock, two clients at once), with Settings -> OpenVINO's
-"previous weights" at *release*, so that rule is decided too. Every bound the soak decides must hold: RSS flat
-after the warm-up, compiled models not growing with new sizes, no previous weights' model kept, no request
-failed, no image lost, the Interrupt as stock's, every sampled picture >= 40 dB against stock. The disk cache's
-bound is decided when the extension reports a limit (``cache_limit_bytes``); until then the report says "no limit
-set". ``tests/bench/test_soak_bounds.py`` shows each bound fails on a run that breaks it.
+"previous weights" at *release*, so that rule is decided too. Every bound the soak decides must hold: the RSS
+after the warm-up grows no more than 5% of its plateau beyond stock's own growth for the same stream (A1111 itself
+grows on the tiny models: 0.76 -> 1.01 GiB over 100 requests, measured, so the absolute bound of the soak,
+``rss_flat``, is reported here, not asserted), compiled models not growing with new sizes, no previous weights'
+model kept, no request failed, no image lost, the Interrupt as stock's, every sampled picture >= 40 dB against
+stock. The disk cache's bound is decided when the extension reports a limit (``cache_limit_bytes``); until then
+the report says "no limit set". ``tests/bench/test_soak_bounds.py`` shows each bound fails on a run that breaks it.
 
-It starts a WebUI of its own (its own data folder), like ``bench webui``; about 4-6 minutes on 2 cores.
+It starts a WebUI of its own (its own data folder), like ``bench webui``, twice; about 5-6 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from .conftest import usable_testbed
 #: Requests of the stream: the warm-up (9) and enough after it for two halves of RSS and compiled models
 REQUESTS = 36
 #: Bounds the run cannot leave undecided
-DECIDED = ("rss_flat", "models_bounded", "previous_released", "no_errors", "no_image_lost", "interrupt_as_stock",
-           "pictures_match")
+DECIDED = ("rss_beyond_stock", "models_bounded", "previous_released", "no_errors", "no_image_lost",
+           "interrupt_as_stock", "pictures_match")
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +39,7 @@ pytestmark = pytest.mark.slow
 def test_a_short_soak_stays_within_every_bound(tmp_path: Path) -> None:
     root = usable_testbed()
     config = build_settings({"model": "tiny", "requests": REQUESTS, "seed": 41, "previous_weights": "release",
+                             "stock_baseline": True,
                              "testbed": root, "out": tmp_path / "results", "name": "soak",
                              "work_dir": tmp_path / "work"})
     results = run_soak(config, "tests/real_webui/test_real_webui_soak.py")
@@ -49,6 +53,9 @@ def test_a_short_soak_stays_within_every_bound(tmp_path: Path) -> None:
     assert any(r["new_size"] for r in records) and any(r["n_iter"] > 1 for r in records)
     for name in DECIDED:
         assert bounds[name]["passed"] is True, f"{name}: {bounds[name]['measured']}\n{table}"
+    # the absolute bound (rss_flat) is reported, not asserted here: stock A1111's own creep on the tiny models (about
+    # 1 MB a request, measured) is most of 5% of their 1 GiB plateau over a few dozen requests
+    assert bounds["rss_flat"]["passed"] is not None
     cache = bounds["cache_under_limit"]
     if any(r.get("cache_limit_bytes") for r in records):
         assert cache["passed"] is True, cache
