@@ -129,6 +129,7 @@ def draw(results: dict[str, Any], path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError as err:
         logger.warning("no RSS picture: matplotlib is not importable (%s)", err)
         return False
@@ -151,7 +152,8 @@ def draw(results: dict[str, Any], path: Path) -> bool:
     held.step(x, [r.get("compiled_models") for r in records], where="post", color="tab:green",
               label="compiled models held")
     held.set_ylabel("compiled models held")
-    held.set_ylim(bottom=0)
+    held.set_ylim(bottom=0, top=max([r.get("compiled_models") or 0 for r in records] + [1]) + 1)
+    held.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     lines = ax.get_legend_handles_labels()
     more = held.get_legend_handles_labels()
     ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right", fontsize=8)
