@@ -17,7 +17,8 @@ logger = logging.getLogger("bench")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 epilog="python -m bench webui --help: the real-WebUI benchmark; "
-                                       "python -m bench step-cache --help: step caching's images")
+                                       "python -m bench step-cache --help: step caching's images; "
+                                       "python -m bench soak --help: the soak")
     p.add_argument("--quick", action="store_true", help="small models, seconds not minutes (CI smoke test)")
     p.add_argument("--components", nargs="+", choices=models.COMPONENT_NAMES, metavar="NAME",
                    help=f"components to measure (default: {' '.join(settings.DEFAULT_COMPONENTS)}; "
@@ -53,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import webui
 
         return webui.main(argv[1:])
+    if argv[:1] == ["soak"]:  # hours of mixed requests against the real WebUI, bounded (its own options)
+        from bench import soak
+
+        return soak.main(argv[1:])
     if argv[:1] == ["step-cache"]:  # step caching's quality and speed, whole images (its own options)
         from bench import step_cache
 

@@ -150,6 +150,17 @@ class BenchWebUI(WebUI):
                 return False
         return done
 
+    def tree_memory(self) -> dict[str, float]:
+        """Resident memory of the WebUI's process tree (its session), in GiB: ``rss_gib``, VmRSS summed over its
+        processes, and ``peak_gib``, the largest VmHWM among them (the WebUI's Python process)."""
+        rss = peak = 0.0
+        if self.process is not None:
+            for pid in _session_pids(self.process.pid):
+                fields = _status_fields(pid, ("VmRSS", "VmHWM"))
+                rss += fields.get("VmRSS", 0) / GIB
+                peak = max(peak, fields.get("VmHWM", 0) / GIB)
+        return {"rss_gib": rss, "peak_gib": peak}
+
     def cache_dir(self) -> Path:
         """The extension's default disk cache: ``openvino_cache`` under the WebUI's models folder."""
         return self.data_dir / "models" / "openvino_cache"

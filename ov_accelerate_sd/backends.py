@@ -238,6 +238,10 @@ class Backends:
             logger.warning("could not measure the OpenVINO cache %s: %s", settings.cache_dir, err)
             return CacheUsage(0, limit, 0)
 
+    def compiled_models(self) -> int:
+        """Compiled OpenVINO models every backend holds in memory now (``OVBackend.compiled_models``)."""
+        return sum(backend.compiled_models() for backend in self.all())
+
     def mark(self) -> Mark:
         backends = self._by_choice()
         return Mark(backends, {c: len(b.reports) for c, b in backends.items()},

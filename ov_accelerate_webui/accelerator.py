@@ -314,6 +314,11 @@ class Accelerator:
         within = {id(m) for m in walk()}
         return all(id(m) in within for m in modules)
 
+    def compiled_models(self) -> int:
+        """Compiled OpenVINO models held in memory now, by every backend (not under this object's lock: a status
+        read during a compile does not wait for it)."""
+        return self.backends.compiled_models()
+
     def backend_of(self, run: PreparedRun, part: str) -> OVBackend:
         """The backend ``part`` runs on in ``run`` (a name of ``ov_accelerate_sd.parts.PARTS``)."""
         return self.backends.backend(run.choice.for_part(part))

@@ -284,9 +284,13 @@ class Extension:
             return str(self._last_run["status"])
 
     def last_run_report(self) -> dict[str, Any]:
-        """The last generation's status as data (what the HTTP status route returns)."""
+        """The last generation's status as data (what the HTTP status route returns), with
+        ``compiled_models``: the compiled OpenVINO models the extension holds in memory now (read while a
+        generation runs too, without waiting for it)."""
         with self._lock:
-            return dict(self._last_run)
+            report, accelerator = dict(self._last_run), self._accelerator
+        report["compiled_models"] = accelerator.compiled_models() if accelerator is not None else 0
+        return report
 
     def _record_sizes(self, p: Any, checkpoint: str, settings: AccelerateSettings) -> None:
         label = settings.infotext()

@@ -234,6 +234,13 @@ class OVBackend:
         with self._lock:
             return list(self._reports)
 
+    def compiled_models(self) -> int:
+        """How many compiled OpenVINO models this backend's graphs hold in memory now (what a use window releases;
+        converted models kept for a later compile are not counted)."""
+        with self._lock:
+            graphs = list(self._graphs)
+        return sum(graph.models_held() for graph in graphs)
+
     def stats(self) -> dict[str, float]:
         """The counters by name (the fields of :class:`ov_backend.report.Stats`): compile_seconds (with
         trace_seconds, convert_seconds, ov_compile_seconds, quantize_seconds, hash_seconds), run_seconds,
@@ -245,14 +252,16 @@ class OVBackend:
         return self.stats_counter.snapshot().as_dict()
 
     def reset(self) -> None:
-        """Drop compiled graphs, reports, counters and weight digests.
+        """Drop compiled graphs (and every model they built), reports, counters and weight digests.
 
         ``torch._dynamo.reset()`` calls this on every backend it used, so that nothing compiled
         outlives dynamo's own caches.
         """
         with self._lock:
-            self._graphs.clear()
+            graphs, self._graphs = self._graphs, []
             self._reports.clear()
+        for graph in graphs:  # (dynamo may still reference them: what they built goes now)
+            graph.dispose()
         self.build_context.shared.clear()
         self.stats_counter.reset()
         self.digests.clear()

@@ -43,14 +43,30 @@ class CompiledGraph:
         self.context = context
         self.inputs = GraphInputs(gm, facts)
         self._lock = threading.RLock()
-        self._weights = WeightVariants(self.inputs, name, context.digests, self._lock,
-                                       on_hash=lambda s: context.stats.add(compile_seconds=s, hash_seconds=s),
-                                       hashing=context.weights.packing if context.weights is not None else nullcontext)
-        self._builder = GraphBuilder(context, self.inputs, name)
+        self._weights, self._builder = self._new_state()
         #: (weights fingerprint, signature) -> the use window of its last call
         self._last_used: dict[tuple[str, Any], int] = {}
         #: weights fingerprint -> the use window of its last call
         self._weights_used: dict[str, int] = {}
+
+    def _new_state(self) -> tuple[WeightVariants, GraphBuilder]:
+        """What the graph builds into: its weight sets (compiled models by weights and signature) and its builder
+        (the converted models)."""
+        context = self.context
+        weights = WeightVariants(self.inputs, self.name, context.digests, self._lock,
+                                 on_hash=lambda s: context.stats.add(compile_seconds=s, hash_seconds=s),
+                                 hashing=context.weights.packing if context.weights is not None else nullcontext)
+        return weights, GraphBuilder(context, self.inputs, self.name)
+
+    def dispose(self) -> None:
+        """Drop every model this graph built, compiled and converted, and the weights they hold: its backend was
+        reset. Dynamo keeps the functions it compiled in the globals of the traced code's module after its own
+        reset, and through them this graph: without this, each reset (e.g. a checkpoint of another architecture
+        or config) would leave its models in memory for the rest of the process. A call after it builds again."""
+        with self._lock:
+            self._weights, self._builder = self._new_state()
+            self._last_used.clear()
+            self._weights_used.clear()
 
     def _release_unused(self, fingerprint: str) -> None:
         """Before a build for the weights ``fingerprint``: release compiled models no call used in the
@@ -96,6 +112,10 @@ class CompiledGraph:
             return released
         finally:
             self._lock.release()
+
+    def models_held(self) -> int:
+        """How many compiled OpenVINO models this graph holds now (for every set of weights it keeps)."""
+        return self._weights.models_held()
 
     def release_compiled(self) -> int:
         """Release every compiled model of this graph that it can compile again from what it keeps (the

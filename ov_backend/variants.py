@@ -291,6 +291,17 @@ class WeightVariants:
         with self._lock:
             return self._by_weights.get(self._fingerprint) if self._fingerprint is not None else None
 
+    def models_held(self) -> int:
+        """How many compiled OpenVINO models the weight sets hold now, counted as :meth:`release` counts them (a
+        variant of the model for all shapes holds none of its own, a borrowed one is its owner's). Safe to call
+        while another thread builds: it reads copies (``list`` of a dict is atomic in CPython)."""
+        held = 0
+        for found in list(self._by_weights.values()):
+            held += sum(v.in_openvino and v.compiled_for not in (FOR_ALL_SHAPES, BORROWED)
+                        for v in list(found.variants.values()))
+            held += found.all_shapes is not None
+        return held
+
     def release(self, unused: set[tuple[str, Any]]) -> int:
         """Drop the releasable variants ``(fingerprint, signature)`` in ``unused``; returns how many.
 

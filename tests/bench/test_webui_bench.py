@@ -48,7 +48,8 @@ def test_tiny_run_measures_every_row(tmp_path):
         record = rows[("auto", row.key)]
         assert record["accelerated"] and record["ov_calls"] > 0 and record["eager_calls"] == 0, record["status"]
         # the fallback row (Token merging) runs the UNet in PyTorch, reading its weights back from the file
-        assert record["pytorch_parts"] == (["model.diffusion_model"] if row.key == "fallback" else []), (row.key, record["status"])
+        in_pytorch = ["model.diffusion_model"] if row.key == "fallback" else []
+        assert record["pytorch_parts"] == in_pytorch, (row.key, record["status"])
     assert rows[("auto", "again")]["compiles"] == 0, rows[("auto", "again")]["status"]
     # back to the first size after two others: its compiled models were released (each generation keeps
     # what it uses), so it is a compile of the model converted before, never a conversion
