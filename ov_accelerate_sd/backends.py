@@ -231,9 +231,10 @@ class Backends:
         if backend is None:
             return None
         settings = backend.settings
-        limit = backend.build_context.cache_limit()
+        cache = self.model_cache(settings.cache_dir)
+        limit = cache.max_bytes if cache.max_bytes is not None else settings.cache_max_bytes  # (the folder's first)
         try:
-            return cache_usage(self.model_cache(settings.cache_dir), limit)
+            return cache_usage(cache, limit)
         except OSError as err:
             logger.warning("could not measure the OpenVINO cache %s: %s", settings.cache_dir, err)
             return CacheUsage(0, limit, 0)

@@ -284,9 +284,7 @@ class Extension:
             return str(self._last_run["status"])
 
     def last_run_report(self) -> dict[str, Any]:
-        """The last generation's status as data (what the HTTP status route returns), with
-        ``compiled_models``: the compiled OpenVINO models the extension holds in memory now (read while a
-        generation runs too, without waiting for it)."""
+        """The last run's status as data (the HTTP status route), with ``compiled_models``: those held now."""
         with self._lock:
             report, accelerator = dict(self._last_run), self._accelerator
         report["compiled_models"] = accelerator.compiled_models() if accelerator is not None else 0
@@ -343,8 +341,7 @@ class Extension:
         return (folder or "").strip() or host.default_cache_dir()
 
     def cache_size_text(self, folder: str) -> str:
-        """E.g. "12 entries, 1.2 GiB of 20.0 GiB limit in /models/openvino_cache", and a line of sizes per
-        checkpoint."""
+        """E.g. "12 entries, 1.2 GiB of 20.0 GiB limit in /models/openvino_cache", and sizes per checkpoint."""
         path = self.cache_dir(folder)
         cache = self.accelerator().backends.model_cache(path)
         limit = read_options().cache_limit_bytes
