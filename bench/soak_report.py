@@ -6,14 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import time
 from pathlib import Path
 from typing import Any
 
-from bench import report
-from bench.webui_report import cpu_summary, testbed_label
-from ov_backend.memory import system_memory
+from bench.webui_report import run_header, testbed_label
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +18,8 @@ MIB = float(1 << 20)
 
 def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
     """What the results file says about the run before any number."""
-    memory = system_memory()
     return {
-        "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": note,
-        "machine": report.machine(), "cpu": cpu_summary(),
-        "available_gib_at_start": round(memory.available / (1 << 30), 1) if memory is not None else None,
-        "load_average_at_start": os.getloadavg()[0],
-        "extension_source": "working tree" if os.environ.get("OV_REAL_WEBUI_SOURCE") == "worktree"
-        else "git clone of the checkout's HEAD",
+        **run_header(command, note),
         "settings": {"model": config.model, "requests": config.requests, "minutes": config.minutes,
                      "seed": config.seed, "sizes": ["x".join(map(str, s)) for s in config.sizes],
                      "new_size_every": config.new_size_every, "size_step": config.size_step,

@@ -94,10 +94,9 @@ class Scenario:
     def switch(self, index: int) -> float | None:
         if index == self.current:
             return None
-        t0 = time.time()
-        self.ui.call("/sdapi/v1/options", {"sd_model_checkpoint": self.checkpoints[index]})
+        seconds = self.ui.switch_checkpoint(self.checkpoints[index])
         self.current = index
-        return time.time() - t0
+        return seconds
 
     def forget_conditioning(self) -> None:
         """An untimed tiny stock request with a prompt no row uses.

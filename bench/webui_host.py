@@ -135,6 +135,12 @@ class BenchWebUI(WebUI):
                 best = {"rss": fields.get("VmRSS", 0) / GIB, "peak": fields["VmHWM"] / GIB}
         return best
 
+    def switch_checkpoint(self, name: str) -> float:
+        """Load checkpoint ``name`` through ``/sdapi/v1/options`` (A1111 loads it before answering); seconds."""
+        t0 = time.time()
+        self.call("/sdapi/v1/options", {"sd_model_checkpoint": name})
+        return time.time() - t0
+
     def reset_peak(self) -> bool:
         """Start the WebUI's peak RSS (VmHWM) again from its RSS now (``/proc/<pid>/clear_refs``), so the
         peak after a request is that request's own, not the checkpoint load's or an earlier request's.

@@ -50,8 +50,9 @@ def cpu_summary() -> dict[str, Any]:
     return summary
 
 
-def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
-    """What the results file says about the run before any number."""
+def run_header(command: str, note: str | None) -> dict[str, Any]:
+    """What a results file says about the run's circumstances before any number (the machine, the CPU, the
+    memory and load at the start, where the extension came from); ``bench soak`` shares it."""
     memory = system_memory()
     return {
         "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": note,
@@ -60,6 +61,13 @@ def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
         "load_average_at_start": os.getloadavg()[0],
         "extension_source": "working tree" if os.environ.get("OV_REAL_WEBUI_SOURCE") == "worktree"
         else "git clone of the checkout's HEAD",
+    }
+
+
+def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
+    """What the results file says about the run before any number."""
+    return {
+        **run_header(command, note),
         "settings": {"tiny": config.tiny, "model": config.model, "precisions": list(config.precisions),
                      "steps": config.steps,
                      "sizes": ["x".join(map(str, s)) for s in config.sizes], "batch": config.batch,
