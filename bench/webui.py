@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import shlex
 import shutil
@@ -105,9 +106,11 @@ class Scenario:
         this, a mode's first request repeats the previous mode's last one (in a run of a few rows) and the
         text encoder is skipped there, so its first build would land in a later row.
         """
-        self.ui.generate({"prompt": "an untimed request between modes", "seed": 1, "steps": 1, "width": 64,
-                          "height": 64, "sampler_name": "Euler", "batch_size": 1, "n_iter": 1, "save_images": False,
-                          "send_images": False})
+        payload = {"prompt": "an untimed request between modes", "seed": 1, "steps": 1, "width": 64, "height": 64,
+                   "sampler_name": "Euler", "batch_size": 1, "n_iter": 1, "save_images": False, "send_images": False}
+        if self.config.enable_always:  # (the section would accelerate it at the panel's defaults)
+            payload["alwayson_scripts"] = {SECTION_TITLE: {"args": [False]}}
+        self.ui.generate(payload)
 
     def run_row(self, row: Row, mode: str, process: int) -> bool:
         """One request; False when the WebUI is gone (the rest of the run cannot be measured)."""
@@ -172,6 +175,10 @@ class Scenario:
         self.progress(self.results)
 
     def run(self) -> dict[str, Any]:
+        if self.config.enable_always:  # before the start: the WebUI's first load already moves the weights
+            config = self.ui.data_dir / "config.json"
+            options = json.loads(config.read_text()) if config.is_file() else {}
+            config.write_text(json.dumps({**options, "openvino_enable_always": True}, indent=2))
         self.ui.start()
         self.switch(1)  # untimed: A1111 hashes a checkpoint on its first load; both files end in the page cache
         self.switch(0)
@@ -195,6 +202,7 @@ class Scenario:
         self.ui.stop()
         self.current = 0
         self.ui.start()
+        self.phase_end("restarted (its checkpoint loaded)", 2)
         for mode in self.config.precisions:
             if self.run_row(RESTART, mode, 2):
                 self.phase_end(f"{mode} after restart", 2)
@@ -269,6 +277,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-in-file", choices=("on", "off"),
                    help="the extension's setting for PyTorch's copy of the accelerated weights: in a memory-mapped "
                         "file (on) or in memory beside OpenVINO's (off) (default: the WebUI's, on)")
+    p.add_argument("--enable-always", action="store_true",
+                   help="Settings -> OpenVINO -> Enable for every generation on from the WebUI's start (with "
+                        "--accelerated-only): the weights move into the file as the checkpoint loads")
     p.add_argument("--accelerated-only", action="store_true",
                    help="no stock requests: the WebUI process's peak RSS (VmHWM) is then the accelerated requests' own "
                         "(after stock's, it is at least stock's); the stock columns stay empty")
@@ -287,7 +298,8 @@ def main(argv: Sequence[str]) -> int:
                "rows": tuple(args.rows) if args.rows else None,
                "testbed": args.testbed, "out": args.out, "name": args.name, "work_dir": args.work_dir,
                "min_available_gib": args.min_available_gib, "previous_weights": args.previous_weights,
-               "weights_in_file": args.weights_in_file, "accelerated_only": args.accelerated_only}
+               "weights_in_file": args.weights_in_file, "accelerated_only": args.accelerated_only,
+               "enable_always": args.enable_always or None}
     try:
         config = build_settings(options)
     except ValueError as err:

@@ -73,7 +73,7 @@ def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
                      "sizes": ["x".join(map(str, s)) for s in config.sizes], "batch": config.batch,
                      "rows": list(config.rows), "sampler": "Euler", "cfg_scale": 7,
                      "testbed": testbed_label(Path(config.testbed)), "previous_weights": config.previous_weights,
-                     "weights_in_file": config.weights_in_file},
+                     "weights_in_file": config.weights_in_file, "enable_always": config.enable_always},
     }
 
 
@@ -124,6 +124,8 @@ def _machine_lines(results: dict[str, Any]) -> list[str]:
          if s.get("previous_weights") else []) + (
         [f"- PyTorch's copy of the accelerated weights in a memory-mapped file (the extension's setting): "
          f"{s['weights_in_file']}"] if s.get("weights_in_file") else []) + (
+        ["- Settings -> OpenVINO -> Enable for every generation: on from the WebUI's start (the weights moved into "
+         "the file as each checkpoint loaded)"] if s.get("enable_always") else []) + (
         [f"- Note: {results['note']}"] if results.get("note") else [])
 
 

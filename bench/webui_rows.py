@@ -123,6 +123,10 @@ class WebUIBenchSettings:
     weights_in_file: str = ""
     """The extension's setting for PyTorch's copy of the accelerated weights ("on": in a memory-mapped file, "off":
     in memory beside OpenVINO's), set before the first accelerated request; empty: the WebUI's (default on)."""
+    enable_always: bool = False
+    """Settings -> OpenVINO -> "Enable for every generation" on from the WebUI's start (written into the data folder's
+    config before it): its checkpoint loads move the weights into the file as they load. Needs ``accelerated_only``
+    (the section would accelerate stock's requests)."""
 
 
 TINY_SIZES = ((64, 64), (96, 64), (64, 96))
@@ -170,6 +174,9 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
         raise ValueError(f"previous_weights must be {' or '.join(PREVIOUS_WEIGHTS)}, got {config.previous_weights!r}")
     if config.weights_in_file not in ("", "on", "off"):
         raise ValueError(f"weights_in_file must be on or off, got {config.weights_in_file!r}")
+    if config.enable_always and not config.accelerated_only:
+        raise ValueError("enable_always needs accelerated_only: with the section enabled for every generation, "
+                         "stock's requests would be accelerated too")
     if config.batch < 2:
         raise ValueError(f"batch must be at least 2, got {config.batch}")
     if not testbed_ready(Path(config.testbed)):

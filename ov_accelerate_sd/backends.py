@@ -125,15 +125,10 @@ class Backends:
         with self._lock:
             counter = self._counters.get(choice)
             if counter is None:
-                from ov_backend import GraphRunCounter, OVBackend, WeightFile, build_settings
+                from ov_backend import GraphRunCounter, OVBackend, build_settings
 
                 settings = build_settings(choice.options())
-                weight_file = None
-                if settings.weights_in_file:
-                    folder = str(settings.cache_dir / "weights")
-                    weight_file = self._weight_files.get(folder)
-                    if weight_file is None:
-                        weight_file = self._weight_files[folder] = WeightFile(settings.cache_dir / "weights")
+                weight_file = self._weight_file(settings)
                 cache = self._model_cache(settings.cache_dir)
                 make = self._make or (lambda c, w: OVBackend(settings, weight_file=w, cache=cache))
                 backend = make(choice, weight_file)
@@ -142,6 +137,29 @@ class Backends:
             if choice.cache_max_bytes is not None and shared is not None:
                 shared.max_bytes = choice.cache_max_bytes  # the folder's limit, for every backend sharing it
             return counter
+
+    def weight_file(self, choice: BackendChoice) -> Any:
+        """The ``ov_backend.WeightFile`` the backends of ``choice``'s cache folder move weights into (made on first
+        use), or None when ``choice`` keeps them in memory (``weights_in_file`` off).
+
+        Raises:
+            ValueError: ov_backend refused the options.
+        """
+        from ov_backend import build_settings
+
+        with self._lock:
+            return self._weight_file(build_settings(choice.options()))
+
+    def _weight_file(self, settings: Any) -> Any:
+        if not settings.weights_in_file:
+            return None
+        from ov_backend import WeightFile
+
+        folder = str(settings.cache_dir / "weights")
+        weight_file = self._weight_files.get(folder)
+        if weight_file is None:
+            weight_file = self._weight_files[folder] = WeightFile(settings.cache_dir / "weights")
+        return weight_file
 
     def model_cache(self, folder: Any) -> Any:
         """The ``ov_backend.ModelCache`` of ``folder`` the backends of this object share (made on first use): a

@@ -31,11 +31,11 @@ from ov_accelerate_sd.backends import BackendChoice, Backends, Mark
 from ov_accelerate_sd.parts import VARYING_DIMS
 from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheSettings
 
-from .backend_bridge import BackendApi
+from .backend_bridge import BackendApi, ov_backend
 from .compiled_route import CompiledRoute, compile_route, f32_route, make_forward
 from .finite_guard import F32Switch
 from .lora import LoraChange, LoraHook
-from .model_parts import PYTORCH_CHECKS, Target, checkpoint_key, find_targets
+from .model_parts import PYTORCH_CHECKS, Target, checkpoint_key, checkpoint_label, find_targets
 from .routing import Route, mark_ours
 from .settings import AccelerateSettings
 
@@ -103,6 +103,10 @@ class Accelerator:
         """Told (route, why) when a routed call runs in PyTorch (set by the generation running)."""
         self.on_uncached: Callable[[CompiledRoute, str], None] | None = None
         """Told (route, why) when step caching cannot split a route's module (set by the generation running)."""
+        #: the settings and backend of the last generation prepared (None: none since the last reset)
+        self._last: tuple[AccelerateSettings, BackendChoice] | None = None
+        #: what moved into the weight file at checkpoint loads since the last generation (its status says it)
+        self._load_notes: list[str] = []
 
     def prepare(self, model: Any, settings: AccelerateSettings, default_cache_dir: str, window: str = WINDOW_NEW,
                 previous_weights: str | None = None, step_cache: StepCacheSettings | None = None,
@@ -129,6 +133,7 @@ class Accelerator:
         f32_choice = dataclasses.replace(choice, precision="f32") if choice.precision != "f32" else None
         ckpt = checkpoint_key(model)
         with self._lock:
+            self._last = (settings, choice)
             if ckpt not in self._checkpoints:
                 self._switch_to(model, ckpt)
             for part in {t.part for t in targets}:
@@ -271,6 +276,7 @@ class Accelerator:
         with self._lock:
             self._drop_all()
             self._checkpoints = set()
+            self._last = None
 
     def forget_unless(self, model: Any) -> None:
         """On a model load: keep compiled models if ``model``'s checkpoint is one the last generation used, or
@@ -281,6 +287,53 @@ class Accelerator:
             if self._checkpoints and ckpt not in self._checkpoints:
                 self._switch_to(model, ckpt)
             self.backends.drop_resident_weights()
+
+    def place_weights(self, model: Any, settings: AccelerateSettings | None, default_cache_dir: str) -> Any:
+        """As A1111 loads ``model``: move the weights of the parts the last generation routed (``settings``' when
+        given) into the weight file now, not at their first build (:mod:`.weights_at_load`); the tensors keep their
+        identity and values. Returns the ``ov_backend.MoveResult``; None when the weights stay in memory
+        (``weights_in_file`` off, or no settings and no generation since the last reset).
+
+        Raises:
+            UnsupportedModel: the model cannot be accelerated.
+            ValueError: ov_backend refused the settings.
+        """
+        with self._lock:
+            last = self._last
+        if settings is not None:
+            choice = settings.backend_choice(default_cache_dir)
+        elif last is not None:
+            settings, choice = last
+        else:
+            return None
+        weight_file = self.backends.weight_file(choice)
+        if weight_file is None:
+            return None
+        tensors: dict[int, torch.Tensor] = {}
+        for target in find_targets(model, settings.parts):
+            for t in (*target.module.parameters(), *target.module.buffers()):
+                tensors.setdefault(id(t), t)
+        result = weight_file.move(list(tensors.values()))
+        size = ov_backend.format_bytes
+        if result.moved_bytes:
+            note = (f"At the checkpoint load ({checkpoint_label(model)}), {size(result.moved_bytes)} of PyTorch's "
+                    f"weights moved into the weight file ({result.seconds:.1f} s), before this generation.")
+            logger.info("Accelerate with OpenVINO: %s", note)
+            with self._lock:
+                self._load_notes.append(note)
+        for why, nbytes in result.kept_bytes.items():
+            logger.warning("Accelerate with OpenVINO: %s of PyTorch's weights stay in memory: %s", size(nbytes), why)
+        return result
+
+    def used_settings(self) -> AccelerateSettings | None:
+        """The settings of the last generation prepared since the last reset (None: none)."""
+        return self._last[0] if self._last is not None else None
+
+    def pop_load_notes(self) -> list[str]:
+        """What moved into the weight file at checkpoint loads since the last call (for a generation's status)."""
+        with self._lock:
+            notes, self._load_notes = self._load_notes, []
+            return notes
 
     def _switch_to(self, model: Any, ckpt: str) -> None:
         """Another checkpoint. A1111 loads a checkpoint of the same architecture into the model it has
@@ -314,10 +367,12 @@ class Accelerator:
         within = {id(m) for m in walk()}
         return all(id(m) in within for m in modules)
 
-    def compiled_models(self) -> int:
-        """Compiled OpenVINO models held in memory now, by every backend (not under this object's lock: a status
-        read during a compile does not wait for it)."""
-        return self.backends.compiled_models()
+    def held_now(self) -> dict[str, Any]:
+        """For the status route, not under this object's lock (a read during a compile does not wait): the compiled
+        OpenVINO models held in memory now, and PyTorch's weights in files (bytes, and bytes in memory)."""
+        size, resident = self.backends.weights_in_files()
+        return {"compiled_models": self.backends.compiled_models(),
+                "weights_in_file_now": {"bytes": size, "resident_bytes": resident}}
 
     def backend_of(self, run: PreparedRun, part: str) -> OVBackend:
         """The backend ``part`` runs on in ``run`` (a name of ``ov_accelerate_sd.parts.PARTS``)."""

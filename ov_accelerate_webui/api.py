@@ -4,7 +4,8 @@ API users get images and infotexts from ``/sdapi/v1/txt2img`` but not the commen
 where the panel shows what ran in OpenVINO. ``GET /openvino-accelerate/v1/status`` returns the same
 report as JSON: the text of the panel's "Last run", and its numbers (calls per routed part, OpenVINO
 and PyTorch calls, compiles, compile and run seconds, cache hits, what fell back and why), and
-``compiled_models``, the compiled OpenVINO models the extension holds in memory at the time of the request.
+``compiled_models``, the compiled OpenVINO models the extension holds in memory at the time of the request, and
+``weights_in_file_now``: PyTorch's weights in the weight file then (``bytes``; ``resident_bytes`` of them in memory).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import cache_owners, host
+from . import cache_owners, host, weights_at_load
 from .accelerator import WINDOW_CONTINUE, WINDOW_NEW, WINDOW_OFF, Accelerator
 from .backend_bridge import BackendApi, BackendUnavailable, load_backend, ov_backend
 from .controlnet import control_units
@@ -177,8 +177,7 @@ class Extension:
     def finish_stale(self) -> None:
         """Restore the model of a generation whose ``postprocess`` never came (it stopped with an error)."""
         with self._lock:
-            generation = self._generation
-            job = self._job
+            generation, job = self._generation, self._job
         if generation is None:
             return
         status = self._end_generation(generation)
@@ -284,10 +283,10 @@ class Extension:
             return str(self._last_run["status"])
 
     def last_run_report(self) -> dict[str, Any]:
-        """The last run's status as data (the HTTP status route), with ``compiled_models``: those held now."""
+        """The last run's status as data (the HTTP status route), with what is held now (``Accelerator.held_now``)."""
         with self._lock:
             report, accelerator = dict(self._last_run), self._accelerator
-        report["compiled_models"] = accelerator.compiled_models() if accelerator is not None else 0
+        report.update(accelerator.held_now() if accelerator is not None else {"compiled_models": 0})
         return report
 
     def _record_sizes(self, p: Any, checkpoint: str, settings: AccelerateSettings) -> None:
@@ -371,14 +370,15 @@ class Extension:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def on_model_loaded(self, model: Any) -> None:
-        """During a generation: route the model A1111 switched to. Otherwise: drop compiled models of
-        checkpoints that are no longer in use."""
+        """In a generation: route the model A1111 switched to; else forget_unless and :mod:`.weights_at_load`."""
         with self._lock:
-            generation = self._generation
-            if generation is None and self._accelerator is not None:
-                self._accelerator.forget_unless(model)
+            generation, accelerator = self._generation, self._accelerator
+            if generation is None and accelerator is not None:
+                accelerator.forget_unless(model)
         if generation is not None:
             generation.session.follow(model)
+        else:
+            weights_at_load.place(model, accelerator, self.accelerator)
 
     def on_cfg_denoiser(self, params: Any) -> None:
         """Before each UNet evaluation of a generation: see :meth:`Generation.before_unet`."""

@@ -252,7 +252,7 @@ class Generation:
             weights_in_file=self.accelerator.backends.weights_in_files(),
             cache=self._cache_usage(),
         )
-        record.notes = [*session.notes, *_uncalled_vae(record.calls, vae_methods)]
+        record.notes = [*self.accelerator.pop_load_notes(), *session.notes, *_uncalled_vae(record.calls, vae_methods)]
         record.status = record.text()
         logger.info("%s", record.status)
         if record.eager:

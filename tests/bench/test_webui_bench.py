@@ -117,3 +117,22 @@ def test_tiny_run_of_chosen_rows(tmp_path, capsys):
     assert len([line for line in status.splitlines() if ": dynamic on" in line]) == 3, status
     table = (out / "one.md").read_text(encoding="utf-8")
     assert "| first generation |" in table and "| first generation after a restart" not in table
+
+
+def test_tiny_run_with_enable_always_moves_the_weights_as_the_webui_loads(tmp_path, capsys):
+    """``--enable-always``: Settings -> OpenVINO -> Enable for every generation is on from the WebUI's start, so
+    its first checkpoint load moves the weights into the file; the first accelerated request moves nothing itself
+    and its status says what moved at the load."""
+    with pytest.raises(SystemExit):
+        main(["webui", "--tiny", "--rows", "first", "--enable-always"])
+    assert "enable_always needs accelerated_only" in capsys.readouterr().err
+
+    out = tmp_path / "results"
+    assert main(["webui", "--tiny", "--rows", "first", "--precisions", "f32", "--accelerated-only",
+                 "--enable-always", "--out", str(out), "--name", "load", "--work-dir", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "load.json").read_text(encoding="utf-8"))
+    first = results["rows"][0]
+    assert first["mode"] == "f32" and "error" not in first and first["accelerated"], first
+    assert "At the checkpoint load (ovtest-tiny-a" in first["status"], first["status"]
+    assert "into a memory-mapped file in" not in first["status"], first["status"]  # (what a build's move says)
+    assert "Enable for every generation: on" in (out / "load.md").read_text(encoding="utf-8")

@@ -269,13 +269,20 @@ def test_api_script_args_followed_by_another_always_on_script(webui: WebUI) -> N
 def test_checkpoint_switch_and_back(webui: WebUI) -> None:
     """The UNet, the VAE decoder and the text encoder are converted with their weights as inputs, so the
     disk cache's entries of the first checkpoint serve the second (a new model object here: each tiny
-    checkpoint has its own .yaml): the switch compiles them, it does not convert them."""
+    checkpoint has its own .yaml): the switch compiles them, it does not convert them. Acceleration being in
+    use, the second checkpoint's weights move into the weight file as A1111 loads it, so the request after the
+    load starts with one copy of them (the status says so) and moves nothing itself."""
     webui.generate(accelerated(request("a train in the snow, before the switch")))  # the first one's entries
     try:
         webui.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_B})
+        loaded = webui.status()
+        in_file = loaded["weights_in_file_now"]["bytes"]
+        assert in_file > 0 and loaded["weight_file_pages"][0] >= in_file, loaded
         stock, fast = run_both(webui, request("a train in the snow"))
         assert "ovtest-tiny-b" in fast.infotexts[0]
         assert_matches(webui, "checkpoint switch", stock, fast)
+        assert "At the checkpoint load (ovtest-tiny-b" in fast.status["status"], fast.status["status"]
+        assert fast.status["weights_moved_bytes"] == 0, fast.status["status"]
         dynamic = [line for line in fast.status["status"].splitlines() if ": dynamic on" in line]
         assert len(dynamic) == 3, fast.status["status"]  # the UNet's graph, the VAE decoder's, the text encoder's
         assert all("cache hit" in line or "conversion reused" in line for line in dynamic), fast.status["status"]

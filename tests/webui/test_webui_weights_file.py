@@ -4,6 +4,7 @@ off, they stay in memory and no file is made. Either way the picture is the same
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -55,3 +56,79 @@ def test_between_generations_openvino_holds_no_intermediate_memory(fake_host: Si
     again = extension.run(make_p(fake_host), f32)
     assert max_pixel_diff(first, again) == 0
     assert not any(r._holds_memory for r in runtime._RUNNERS)
+
+
+def _load_other(fake_host: SimpleNamespace, seed: int = 7) -> Any:
+    """A1111 loads another checkpoint (a new model object; its ``model_loaded`` callbacks run)."""
+    info = fake_host.sd_models.CheckpointInfo(str(fake_host.tmp_path / f"other-{seed}.safetensors"), f"{seed}" * 64)
+    return fake_host.sd_models.load_model(fake_host.make_model(seed=seed), info)
+
+
+def _unet_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.model.diffusion_model.parameters())
+
+
+def test_after_an_accelerated_generation_a_loaded_checkpoint_moves_into_the_file_at_its_load(
+        fake_host: SimpleNamespace, extension: Any, f32: Any) -> None:
+    """The request after a checkpoint load starts with one copy of each weight (SDXL at f32: without this it
+    started with A1111's 12.9 GiB model beside its build): the weights the last generation routed move as the
+    checkpoint loads, the generation moves nothing more, says what moved at the load, and makes stock's picture."""
+    unet_only = dataclasses.replace(f32, vae=False, text_encoder=False)
+    extension.run(make_p(fake_host), unet_only)
+    before = files_of(extension)[0]
+
+    other = _load_other(fake_host)
+
+    params = list(other.model.diffusion_model.parameters())
+    now = extension.last_run_report()["weights_in_file_now"]
+    assert now["bytes"] >= before + _unet_bytes(other) and now["resident_bytes"] == 0, now
+    weight_file = extension.accelerator().backends.weight_file(unet_only.backend_choice("unused"))
+    assert all(weight_file.holds(p) for p in params)
+    assert not any(weight_file.holds(p) for p in other.first_stage_model.parameters())  # not routed: stays
+    stock = fake_host.processing.process_images(make_p(fake_host, model=other))  # PyTorch reads the file
+    processed = extension.run(make_p(fake_host, model=other), unet_only)
+    assert max_pixel_diff(stock, processed) <= IMAGE_TOLERANCE
+    assert files_of(extension)[0] == now["bytes"], "the generation moved nothing more"
+    assert all(a is b for a, b in zip(other.model.diffusion_model.parameters(), params))
+    assert "At the checkpoint load (other-7.safetensors" in extension.last_status, extension.last_status
+    assert "moved into the weight file" in extension.last_status
+    again = extension.run(make_p(fake_host, model=other), unet_only)
+    assert "At the checkpoint load" not in extension.last_status  # said once
+    assert max_pixel_diff(again, processed) == 0
+
+
+def test_nothing_moves_at_a_load_before_acceleration_is_used_or_with_the_file_off(
+        fake_host: SimpleNamespace, extension: Any, f32: Any) -> None:
+    extension.accelerator()  # (the panel makes it to show the cache's size)
+    _load_other(fake_host, seed=3)
+    assert files_of(extension) == (0, 0), "a user who has not used acceleration keeps A1111's model as it is"
+
+    unet_only = dataclasses.replace(f32, vae=False, text_encoder=False)
+    extension.run(make_p(fake_host), unet_only)
+    before = files_of(extension)
+    setattr(fake_host.shared.opts, WEIGHTS_IN_FILE_OPTION, False)
+    try:
+        other = _load_other(fake_host, seed=5)
+    finally:
+        setattr(fake_host.shared.opts, WEIGHTS_IN_FILE_OPTION, True)
+    assert files_of(extension) == before
+    weight_file = extension.accelerator().backends.weight_file(unet_only.backend_choice("unused"))
+    assert not any(weight_file.holds(p) for p in other.parameters())
+
+
+def test_enable_for_every_generation_moves_the_panel_parts_at_the_first_load(
+        fake_host: SimpleNamespace, extension: Any, tmp_path: Any) -> None:
+    """With Settings -> OpenVINO -> "Enable for every generation", the WebUI's first load moves the weights of the
+    parts the panel's defaults route, before any generation; the first accelerated picture is still stock's."""
+    from ov_accelerate_webui.options import ENABLE_ALWAYS_OPTION, option_key
+
+    setattr(fake_host.shared.opts, ENABLE_ALWAYS_OPTION, True)
+    setattr(fake_host.shared.opts, option_key("cache_dir"), str(tmp_path / "cache"))
+    try:
+        other = _load_other(fake_host, seed=9)
+    finally:
+        setattr(fake_host.shared.opts, ENABLE_ALWAYS_OPTION, False)
+    size, resident = files_of(extension)
+    routed = sum(p.numel() * p.element_size() for m in (other.model.diffusion_model, other.first_stage_model)
+                 for p in m.parameters())
+    assert size >= routed and resident == 0, (size, routed)
