@@ -65,15 +65,16 @@ _EXPORTS = {
     "mark_varying": "ov_backend.portable",
     "sizes_may_be_one": "ov_backend.portable",
     # PyTorch's copy of the weights in a memory-mapped file
+    "MoveResult": "ov_backend.weight_file",
     "WeightFile": "ov_backend.weight_file",
 }
 __all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "CacheEntry", "CacheUsage",
     "cache_usage", "check_device", "DEFAULT_CACHE_MAX_BYTES",
     "CompiledMethod", "CompileReport", "default_cache_dir", "DEFAULT_PRECISION", "describe_eager",
     "device_info", "DeviceInfo", "EagerCalls", "format_bytes", "GraphCollector", "GraphRunCounter",
-    "input_signature", "list_devices", "mark_varying", "ModelCache", "OpenVINOFallbackError", "ov_backend",
-    "OVBackend", "PartitionReport", "PRECISIONS", "PREVIOUS_WEIGHTS", "QUANTIZED_PRECISIONS", "SavedCaptures",
-    "sizes_may_be_one", "Stats", "WeightFile", "why_eager"]
+    "input_signature", "list_devices", "mark_varying", "ModelCache", "MoveResult", "OpenVINOFallbackError",
+    "ov_backend", "OVBackend", "PartitionReport", "PRECISIONS", "PREVIOUS_WEIGHTS", "QUANTIZED_PRECISIONS",
+    "SavedCaptures", "sizes_may_be_one", "Stats", "WeightFile", "why_eager"]
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.backend import OVBackend, ov_backend
@@ -89,7 +90,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.report import CompileReport, PartitionReport, Stats
     from ov_backend.saved_captures import SavedCaptures
     from ov_backend.settings import PREVIOUS_WEIGHTS, BackendSettings, build_settings, default_cache_dir
-    from ov_backend.weight_file import WeightFile
+    from ov_backend.weight_file import MoveResult, WeightFile
 
 
 def __getattr__(name: str) -> Any:

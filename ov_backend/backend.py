@@ -144,7 +144,8 @@ class OVBackend:
         if self.settings.precision in COMPRESSED_PRECISIONS:
             # 8-bit weights: a compressed copy of the float model, compiled in memory (OpenVINO's blob cache finds
             # a model by its file, which holds the float one)
-            model = compress_weights(self.core.read_model(str(model)) if isinstance(model, Path) else model)
+            model = compress_weights(self.core.read_model(str(model)) if isinstance(model, Path) else model,
+                                     self.weight_file.arrays if self.weight_file is not None else None)
         from_file = isinstance(model, Path)
         if self.settings.model_caching and "CACHE_DIR" not in config and (from_file or not self.settings.on_cpu):
             try:

@@ -31,7 +31,7 @@ MARGIN = 0.10
 #: Bytes added to every estimate: the plugin's working buffers, the graph's activations.
 MARGIN_BYTES = 256 << 20
 #: Bytes per element of the compiled weights, by inference precision (8-bit weights: the compressed constant
-#: and the plugin's packed copy of it).
+#: and the plugin's packed copy of it, for a matmul's weights; see :func:`build_bytes` for the others).
 _ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "int8-weights": 2}
 
 
@@ -45,10 +45,17 @@ def inference_precision(settings_precision: str, config: dict[str, str], default
 
 
 def build_bytes(weight_values: Sequence[torch.Tensor], precision: str) -> int:
-    """Bytes a model compiled from these weights at ``precision`` is expected to add to the process."""
+    """Bytes a model compiled from these weights at ``precision`` is expected to add to the process. With 8-bit
+    weights only matmuls' (2-D) weights are compressed (``ov_backend.compress``): the others, convolutions', are
+    counted at their own size, since the device's float precision is not known here (f32 on a CPU without bf16)."""
     per = _ELEMENT_BYTES.get(precision, 4)
-    weights = sum(t.numel() * (min(per, t.element_size()) if t.is_floating_point() else t.element_size())
-                  for t in weight_values)
+
+    def size(t: torch.Tensor) -> int:
+        if not t.is_floating_point() or (precision == "int8-weights" and t.dim() != 2):
+            return t.element_size()
+        return min(per, t.element_size())
+
+    weights = sum(t.numel() * size(t) for t in weight_values)
     return int(weights * (1 + MARGIN)) + MARGIN_BYTES
 
 

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ov_backend.files import format_bytes
@@ -120,12 +121,14 @@ class MoveResult:
 
 
 class _Mapping:
-    """One file's mapping and the tensors that live in it."""
+    """One file's mapping and the tensors that live in it (``arrays``: it holds arrays of :meth:`WeightFile.arrays`,
+    alive as long as something reads them: it is closed once nothing does)."""
 
-    def __init__(self, mm: mmap.mmap, size: int, path: Path) -> None:
+    def __init__(self, mm: mmap.mmap, size: int, path: Path, arrays: bool = False) -> None:
         self.mm = mm
         self.size = size
         self.path = path
+        self.arrays = arrays
         self.tensors: list[weakref.ref[torch.Tensor]] = []
         self.start = self.address()
 
@@ -257,6 +260,28 @@ class WeightFile:
                     self._seen[key] = weakref.ref(t, lambda ref, key=key: self._forget(key, ref))
             return result
 
+    def arrays(self, sizes: Sequence[int]) -> list[np.ndarray] | None:
+        """Writable uint8 arrays of ``sizes`` bytes, in a new file: for constants a build makes that OpenVINO's CPU
+        plugin keeps beside its packed copy (8-bit weights, :mod:`ov_backend.compress`), so their pages leave the
+        process as PyTorch's do. The file lives while any of the arrays (or a view, an OpenVINO constant sharing
+        one) does. None when no file can be made here (the caller keeps them in memory)."""
+        total = sum(_aligned(n) for n in sizes)
+        if not total or self.unavailable() or self._no_room(total):
+            return None
+        try:
+            mapping = self._map_new(total, arrays=True)
+        except OSError as err:
+            logger.warning("8-bit weights stay in memory: no file in %s (%s)", self.folder, err)
+            return None
+        out, offset = [], 0
+        for n in sizes:
+            out.append(np.frombuffer(mapping.mm, dtype=np.uint8, count=n, offset=offset))
+            offset += _aligned(n)
+        with self._lock:
+            self._maps.append(mapping)
+            self._start_keeper()
+        return out
+
     def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
         with self._lock:
             if self._seen.get(key) is ref:
@@ -274,7 +299,7 @@ class WeightFile:
                     f"with {format_bytes(MIN_FREE_AFTER)} to spare")
         return None
 
-    def _map_new(self, total: int) -> _Mapping:
+    def _map_new(self, total: int, arrays: bool = False) -> _Mapping:
         path = self.folder / f".ov-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -284,7 +309,7 @@ class WeightFile:
         finally:
             os.close(fd)
             os.unlink(path)  # the mapping keeps the data; nothing is left on disk after the process
-        return _Mapping(mm, total, path)
+        return _Mapping(mm, total, path, arrays)
 
     # -- memory ------------------------------------------------------------------------------------------
     def _start_keeper(self) -> None:
@@ -339,15 +364,17 @@ class WeightFile:
                         continue
                 m.mm.madvise(mmap.MADV_DONTNEED)
 
-    def file_bytes(self) -> int:
-        """Bytes of the files mapped now (on disk until they are closed)."""
+    def file_bytes(self, arrays: bool = False) -> int:
+        """Bytes of the files of PyTorch's weights mapped now (``arrays``: of :meth:`arrays`' files), on disk until
+        they are closed."""
         with self._lock:
-            return sum(m.size for m in self._maps)
+            return sum(m.size for m in self._maps if m.arrays == arrays)
 
-    def resident_bytes(self) -> int | None:
-        """Bytes of the files' pages in the process now (``/proc/self/smaps``); None where it cannot be read."""
+    def resident_bytes(self, arrays: bool = False) -> int | None:
+        """Bytes of the pages of PyTorch's weights' files (``arrays``: of :meth:`arrays`' files) in the process now
+        (``/proc/self/smaps``); None where it cannot be read."""
         with self._lock:
-            ranges = [(m.start, m.start + m.size) for m in self._maps]
+            ranges = [(m.start, m.start + m.size) for m in self._maps if m.arrays == arrays]
         if not ranges:
             return 0
         try:

@@ -103,3 +103,41 @@ def test_the_backend_compiles_8_bit_weights_and_follows_a_weight_changed_in_plac
     assert len(lines) == 2, lines  # each compile compressed the weights it was compiled from
     eight, total = (int(v) for v in lines[0].split(": ")[1].split(" weight")[0].split(" of "))
     assert eight >= 0.99 * total, lines[0]
+
+
+def test_the_8_bit_weights_can_live_in_a_weight_file_and_leave_the_process(tmp_path: Path) -> None:
+    """The CPU plugin keeps the 8-bit constants alive beside its packed copy of them: written into a weight file
+    (``WeightFile.arrays``), they leave the process once packed, give the same results, are not counted as
+    PyTorch's weights, and the file goes when the compiled model does."""
+    import gc
+
+    import numpy as np
+
+    from ov_backend import WeightFile
+
+    model = mlp(1)
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        converted = ov.convert_model(torch.fx.symbolic_trace(model), example_input=x)
+    weight_file = WeightFile(tmp_path / "weights")
+    in_file = compress_weights(converted, weight_file.arrays)
+    in_memory = compress_weights(converted)
+    eight_bit = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert weight_types(in_file).get("u8", 0) == eight_bit
+    assert weight_file.file_bytes(arrays=True) >= eight_bit and weight_file.file_bytes() == 0
+    core = ov.Core()
+    config = {"INFERENCE_PRECISION_HINT": "f32"}
+    compiled = core.compile_model(in_file, "CPU", config)
+    del in_file
+    got = compiled(x.numpy())[0]
+    want = core.compile_model(in_memory, "CPU", config)(x.numpy())[0]
+    np.testing.assert_array_equal(got, want)
+    assert weight_file.resident_bytes(arrays=True) > 0  # written, and read by the plugin's packing
+    weight_file.drop_resident()
+    assert weight_file.file_bytes(arrays=True) >= eight_bit, "the plugin keeps its constants: the file stays"
+    assert weight_file.resident_bytes(arrays=True) == 0
+    np.testing.assert_array_equal(compiled(x.numpy())[0], want)
+    del compiled
+    gc.collect()
+    weight_file.drop_resident()
+    assert weight_file.file_bytes(arrays=True) == 0, "the file is closed once nothing reads it"

@@ -38,6 +38,10 @@ def test_the_estimate_follows_the_inference_precision() -> None:
     bf16 = memory_guard.build_bytes(weights, "bf16")
     assert f32 - memory_guard.MARGIN_BYTES == pytest.approx((4e6 + 8e3) * 1.1, rel=1e-6)
     assert bf16 - memory_guard.MARGIN_BYTES == pytest.approx((2e6 + 8e3) * 1.1, rel=1e-6)
+    # 8-bit weights: a matmul's weight counts its 8-bit constant and the plugin's copy; a convolution's stays at float
+    conv = [torch.zeros(1000, 1000), torch.zeros(100, 10, 10, 10)]
+    eight = memory_guard.build_bytes(conv, "int8-weights")
+    assert eight - memory_guard.MARGIN_BYTES == pytest.approx((2e6 + 4e5) * 1.1, rel=1e-6)
     assert memory_guard.inference_precision("auto", {}, "bf16") == "bf16"
     assert memory_guard.inference_precision("f32", {"INFERENCE_PRECISION_HINT": "f32"}, "bf16") == "f32"
     assert memory_guard.shortage(10 * GIB, SystemMemory(16 * GIB, 12 * GIB)) is None
