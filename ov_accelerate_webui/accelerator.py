@@ -98,7 +98,7 @@ class Accelerator:
         self.backends = Backends(make)
         """One backend per choice of the user's (and per precision a part runs at), kept across generations."""
         self._compiled: dict[tuple[BackendChoice, str], list[CompiledRoute]] = {}
-        self._lora = LoraHook(self._lock)
+        self._lora = LoraHook(self._lock, lambda: self.backends.weight_file(self._last[1]) if self._last else None)
         self.on_pytorch: Callable[[CompiledRoute, str], None] | None = None
         """Told (route, why) when a routed call runs in PyTorch (set by the generation running)."""
         self.on_uncached: Callable[[CompiledRoute, str], None] | None = None

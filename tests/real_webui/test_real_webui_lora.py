@@ -78,6 +78,8 @@ def test_lora_matches_stock_and_follows_each_change(webui: WebUI) -> None:
         assert "LoRA changed:" in f.status["status"] and "Cost:" in f.status["status"], f.status["status"]
         # A1111's own weight writing is timed apart from the backend's cost
         assert f.status["lora_write_seconds"] > 0 and "Lora extension wrote the new weights in" in f.status["status"]
+        if i == 0:  # the Lora extension's copy of every layer's weights went into the weight file, once
+            assert "Its copy of the original weights (" in f.status["status"], f.status["status"]
         if i > 0:  # after this test's own run: the UNet's change is a compile of the model converted before
             # ("conversion reused for the new weights", or just "conversion reused" when the weights are back to
             # those it was converted from)

@@ -224,3 +224,27 @@ def test_the_status_says_how_much_of_the_compile_was_fingerprinting_new_weights(
     # nothing hashed (the same weights again): no such note
     text = run_status(AccelerateSettings(), routed, [], {"compile_seconds": 0.0, "run_seconds": 24.0})
     assert "Compile 0.0 s, run 24.0 s;" in text and "fingerprinting" not in text, text
+
+
+def test_the_lora_extensions_copy_of_the_weights_moves_into_the_weight_file(
+        fake_host: Any, networks: ModuleType, extension: Any, f32: Any) -> None:
+    """The Lora extension keeps a copy of every layer's weights to restore them from (stock A1111 holds it in
+    memory: a whole UNet's worth); with the weight file on, it moves there once written, says so, and a change of
+    strength (restored from that copy) and the LoRA's removal still make stock's picture."""
+    without = extension.run(make_p(fake_host), f32)
+    networks.loaded_networks[:] = loras(1.0)
+    extension.run(make_p(fake_host), f32)
+    layers = [m for m in fake_host.shared.sd_model.model.modules()
+              if isinstance(m, nn.Linear) and getattr(m, "network_weights_backup", None) is not None]
+    assert layers
+    weight_file = extension.accelerator().backends.weight_file(f32.backend_choice("unused"))
+    assert all(weight_file.holds(m.network_weights_backup) for m in layers)
+    status = extension.last_status
+    assert "Its copy of the original weights (" in status and "moved into the weight file" in status, status
+    networks.loaded_networks[:] = loras(0.5)
+    stock = fake_host.processing.process_images(make_p(fake_host))
+    fast = extension.run(make_p(fake_host), f32)
+    assert max_pixel_diff(stock, fast) <= IMAGE_TOLERANCE
+    assert "Its copy of the original weights" not in extension.last_status  # moved once
+    networks.loaded_networks[:] = []
+    assert max_pixel_diff(extension.run(make_p(fake_host), f32), without) <= IMAGE_TOLERANCE
