@@ -50,6 +50,25 @@ def test_rss_growing_a_little_per_request_fails_and_the_warm_up_does_not_count()
     assert by_name(run(n=40, warmup=8, rss=lambda i: 3.0 if i < 24 else 3.18))["rss_flat"].passed is False
 
 
+def test_rss_is_compared_within_each_lora_and_checkpoint_state() -> None:
+    """A LoRA on holds more than off at any time: a run that turns it on in its last half only did not grow; the
+    same state growing between the halves did."""
+    lora = run(n=40, warmup=8, rss=lambda i: 3.0 if i < 24 or i % 2 else 4.0)
+    for i, record in enumerate(lora):
+        record["lora"] = 1.0 if i >= 24 and not i % 2 else None
+        record["checkpoint"] = 0
+    bound = by_name(lora)["rss_flat"]
+    assert bound.passed is True, bound
+    assert "LoRA None, checkpoint 0: 3.000 -> 3.000 GiB" in bound.measured, bound.measured
+    for i, record in enumerate(lora):  # off in both halves, and growing 10% there
+        record["rss_gib"] = 3.3 if i >= 24 and record["lora"] is None else record["rss_gib"]
+    assert by_name(lora)["rss_flat"].passed is False
+    only_last = run(n=20, warmup=4)
+    for i, record in enumerate(only_last):
+        record["lora"] = 1.0 if i >= 12 else None
+    assert by_name(only_last)["rss_flat"].passed is None  # no state in both halves: undecided
+
+
 def test_growth_beyond_stocks_own_decides_the_extensions_share() -> None:
     stock = run(n=40, warmup=8, rss=lambda i: 1.0 + 0.005 * i)  # A1111 itself creeps: 10% from half to half
     same = run(n=40, warmup=8, rss=lambda i: 1.2 + 0.005 * i)  # the extension adds a constant
