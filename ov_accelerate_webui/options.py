@@ -89,7 +89,8 @@ STEP_CACHE_END_LABEL = "Step caching: sampling steps at the end that always run 
 
 ENABLE_ALWAYS_LABEL = (
     "Enable for every generation: the OpenVINO section of txt2img and img2img starts enabled (on a new page "
-    "load; API requests that do not send the section's arguments after a restart of the WebUI)"
+    "load; API requests that do not send the section's arguments after a restart of the WebUI), and each checkpoint's "
+    "weights move into the weight file as it loads"
 )
 
 
