@@ -23,9 +23,10 @@ layer's forward instead of changing weights; with networks loaded, a routed call
 
 Before it first writes a LoRA into a layer, the Lora extension keeps a copy of the layer's weights (and bias) to
 restore them from: every layer it names, a whole copy of the UNet's and the text encoders' weights (full-size
-SD 1.5 at f32: about 3.4 GiB; SDXL: about 12 GiB), which stock A1111 holds in memory for as long as the
-checkpoint is loaded. With the weight file on, :class:`LoraHook` moves those copies into it once written
-(``ov_backend.WeightFile.move``): A1111 reads them back from the file when it restores the weights.
+SD 1.5 at f32: 4.4 GiB measured in stock A1111; SDXL: about 12 GiB by its weights' size), which stock A1111 holds
+in memory for as long as the checkpoint is loaded. With the weight file on, :class:`LoraHook` moves those copies
+into it once written (``ov_backend.WeightFile.move``): A1111 reads them back from the file when it restores the
+weights.
 
 The class ``forward`` methods are process-wide: while a routed call runs, a layer called by another thread
 outside any routed call gets no LoRA. A1111 runs one generation at a time (``queue_lock``).
