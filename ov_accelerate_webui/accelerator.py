@@ -313,7 +313,7 @@ class Accelerator:
         for target in find_targets(model, settings.parts):
             for t in (*target.module.parameters(), *target.module.buffers()):
                 tensors.setdefault(id(t), t)
-        result = weight_file.move(list(tensors.values()))
+        result = weight_file.place(list(tensors.values()))
         size = ov_backend.format_bytes
         if result.moved_bytes:
             note = (f"At the checkpoint load ({checkpoint_label(model)}), {size(result.moved_bytes)} of PyTorch's "

@@ -25,7 +25,7 @@ Before it first writes a LoRA into a layer, the Lora extension keeps a copy of t
 restore them from: every layer it names, a whole copy of the UNet's and the text encoders' weights (full-size
 SD 1.5 at f32: 4.4 GiB measured in stock A1111; SDXL: about 12 GiB by its weights' size), which stock A1111 holds
 in memory for as long as the checkpoint is loaded. With the weight file on, :class:`LoraHook` moves those copies
-into it once written (``ov_backend.WeightFile.move``): A1111 reads them back from the file when it restores the
+into it once written (``ov_backend.WeightFile.place``): A1111 reads them back from the file when it restores the
 weights.
 
 The class ``forward`` methods are process-wide: while a routed call runs, a layer called by another thread
@@ -262,7 +262,7 @@ class LoraHook:
         backups = lora_backups(layers) if weight_file is not None else []
         if not backups:
             return 0, 0.0
-        result = weight_file.move(backups)
+        result = weight_file.place(backups)
         if result.moved_bytes:
             logger.info("moved %s of the Lora extension's weight copies into the weight file in %.1f s",
                         ov_backend.format_bytes(result.moved_bytes), result.seconds)

@@ -251,14 +251,19 @@ class WeightFile:
         """Before a build: :meth:`move` those of ``tensors`` never given here before, then remember them all
         (a build is about to convert them: from now on a converted model may read their memory)."""
         with self._taking:
-            with self._lock:
-                seen = [t for t in tensors if (ref := self._seen.get(id(t))) is not None and ref() is t]
-            result = self.move(tensors, skip=seen)
+            result = self.place(tensors)
             with self._lock:
                 for t in tensors:
                     key = id(t)
                     self._seen[key] = weakref.ref(t, lambda ref, key=key: self._forget(key, ref))
             return result
+
+    def place(self, tensors: Sequence[torch.Tensor]) -> MoveResult:
+        """:meth:`move` those of ``tensors`` no build was given (:meth:`take`) before, without remembering them: for
+        tensors no build is about to convert (a checkpoint's weights as it loads, the Lora extension's copies)."""
+        with self._lock:
+            seen = [t for t in tensors if (ref := self._seen.get(id(t))) is not None and ref() is t]
+        return self.move(tensors, skip=seen)
 
     def arrays(self, sizes: Sequence[int]) -> list[np.ndarray] | None:
         """Writable uint8 arrays of ``sizes`` bytes, in a new file: for constants a build makes that OpenVINO's CPU

@@ -144,6 +144,14 @@ def test_a_tensor_a_build_saw_before_never_moves(tmp_path: Path, caplog: pytest.
     assert not weights.holds(seen) and weights.holds(fresh)
     assert result.kept_bytes == {"read by a model converted before it could move": 4000}
     assert result.moved_bytes == 4000
+    # place (a checkpoint's weights as A1111 loads them): the same rule, and nothing is remembered
+    later = torch.randn(1000)
+    placed = weights.place([seen, later])
+    assert not weights.holds(seen) and weights.holds(later)
+    assert placed.kept_bytes == {"read by a model converted before it could move": 4000}
+    again = torch.randn(1000)
+    weights.place([again])
+    assert weights.take([again]).moved_bytes == 0 and weights.holds(again)  # (already in the file)
 
 
 def test_views_and_tensors_sharing_memory_stay(tmp_path: Path) -> None:
