@@ -46,7 +46,7 @@ Storage = Callable[[Sequence[int]], "list[np.ndarray] | None"]
 
 
 def compress_weights(model: ov.Model, storage: Storage | None = None) -> ov.Model:
-    """A copy of ``model`` whose matmul and convolution weights are 8-bit (see the module's docstring).
+    """A copy of ``model`` whose matmul weights are 8-bit (see the module's docstring).
 
     ``storage``: where the 8-bit weights are written (the plugin keeps them alive beside its packed copy of them;
     in a weight file, their pages leave the process). Default: OpenVINO's own memory.
