@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,10 @@ class Generator:
         extra_params: more infotext entries (the OpenVINO ones), appended in order.
         step_cache: the routed UNet's step caching state (``Accelerator.step_cache``): told when each
             sampling begins and ends and which sampler step the UNet's calls belong to.
+        lora_dirs: the folders ``<lora:name:weight>`` in a prompt is looked up in (the WebUI's ``models/Lora``);
+            a prompt's LoRAs are written into the weights before its batch (``lora.LoraWeights``: a change of
+            LoRA is a change of weights in place, which a routed part compiles for) and taken out when a prompt
+            has none.
     """
 
     def __init__(
@@ -152,8 +157,13 @@ class Generator:
         model_hash: str = "",
         extra_params: dict[str, Any] | None = None,
         step_cache: StepCacheRun | None = None,
+        lora_dirs: Sequence[str | os.PathLike] = (),
     ) -> None:
+        from .lora import LoraWeights
+
         self.components = components
+        self.lora_dirs = tuple(lora_dirs)
+        self.loras = LoraWeights(components)
         self.step_cache = step_cache
         self.model_name = model_name
         self.model_hash = model_hash
@@ -180,6 +190,21 @@ class Generator:
         c = self.components
         return PromptEncoder(c.tokenizers, c.text_encoders, c.config["text_encoders"], clip_skip)
 
+    def use_loras(self, prompt: str) -> str:
+        """Write the LoRAs of ``prompt``'s tags into the weights (none: the original weights); returns the prompt
+        without its tags, as it is encoded.
+
+        Raises:
+            LoraError: a LoRA is not found, cannot be read or does not fit the model.
+            ValueError: a tag is malformed.
+        """
+        from .lora import parse_prompt_loras
+
+        text, refs = parse_prompt_loras(prompt)
+        if self.loras.apply(refs, self.lora_dirs):
+            logger.info("LoRA now: %s", ", ".join(a.ref.name for a in self.loras.applied) or "none")
+        return text
+
     def infotext(self, job: GenerationJob, seed: int) -> str:
         spec = sampler_spec(job.sampler)
         params: dict[str, Any] = {
@@ -194,6 +219,7 @@ class Generator:
             "Denoising strength": job.denoising_strength if job.init_image is not None else None,
             "Clip skip": job.clip_skip if job.clip_skip > 1 else None,
         }
+        params.update(self.loras.infotext())
         params.update(self.extra_params)
         return format_infotext(job.prompt, job.negative_prompt, params)
 
@@ -231,8 +257,9 @@ class Generator:
         start = time.perf_counter()
         batch = job.batch_size
         seeds = image_seeds(job.seed, batch, batch_index)
+        prompt = self.use_loras(job.prompt)
         encoder = self.prompt_encoder(job.clip_skip)
-        cond, uncond = encoder.encode_pair(job.prompt, job.negative_prompt)
+        cond, uncond = encoder.encode_pair(prompt, job.negative_prompt)
         noise = ImageNoise(seeds, job.width, job.height, self.components.unet.config.in_channels)
         stopped = False
 
