@@ -26,7 +26,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from ov_backend.files import atomic_path
 
-from . import ldm_layout
+from . import ldm_config, ldm_layout
 from .checkpoint import METADATA_CONFIG_KEY, Checkpoint, CheckpointError, load_state_dict, read_checkpoint
 from .tokenizer import clip_tokenizer
 
@@ -163,8 +163,17 @@ def load_components(
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else read_checkpoint(checkpoint)
     config = family_config(ckpt.family)
+    beside = ldm_config.yaml_beside(ckpt.path) if METADATA_CONFIG_KEY not in ckpt.metadata else None
     if METADATA_CONFIG_KEY in ckpt.metadata:
         config.update(json.loads(ckpt.metadata[METADATA_CONFIG_KEY]))
+    elif beside is not None:  # the WebUI reads the config beside a checkpoint: so do we, where we can
+        try:
+            config = ldm_config.components_config(beside, config)
+            logger.info("%s: the config beside it, %s", ckpt.path, beside)
+        except ldm_config.UnsupportedConfig as exc:
+            logger.info("%s; the shipped %s config is used", exc, ckpt.family)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(ckpt.path, f"cannot read the config beside it, {beside}: {exc}") from None
     state, path = ckpt.state_dict, ckpt.path
 
     unet = _empty(lambda: UNet2DConditionModel(**config["unet"]))
