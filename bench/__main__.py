@@ -18,7 +18,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 epilog="python -m bench webui --help: the real-WebUI benchmark; "
                                        "python -m bench step-cache --help: step caching's images; "
-                                       "python -m bench soak --help: the soak")
+                                       "python -m bench soak --help: the soak; "
+                                       "python -m bench batch --help: a batch job by each way of running it")
     p.add_argument("--quick", action="store_true", help="small models, seconds not minutes (CI smoke test)")
     p.add_argument("--components", nargs="+", choices=models.COMPONENT_NAMES, metavar="NAME",
                    help=f"components to measure (default: {' '.join(settings.DEFAULT_COMPONENTS)}; "
@@ -54,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import webui
 
         return webui.main(argv[1:])
+    if argv[:1] == ["batch"]:  # one seeded job by each way of running it: images a minute and memory
+        from bench import batch
+
+        return batch.main(argv[1:])
     if argv[:1] == ["soak"]:  # hours of mixed requests against the real WebUI, bounded (its own options)
         from bench import soak
 

@@ -56,6 +56,9 @@ class BackendChoice:
     """The disk cache's size limit in bytes (``ov_backend`` option ``cache_max_bytes``; 0: no limit); None:
     ov_backend's default. Not part of the key: it is the folder's, set on the cache the backends share, so a
     new limit needs no new backend (nor a compile)."""
+    threads: int | None = None
+    """The threads OpenVINO runs each inference on (``INFERENCE_NUM_THREADS``); None: the plugin's choice (every
+    core the process may use). A worker of a batch run sets its share of the cores."""
 
     @property
     def quantized(self) -> bool:
@@ -75,6 +78,8 @@ class BackendChoice:
             options["cache_dir"] = self.cache_dir
         if self.cache_max_bytes is not None:
             options["cache_max_bytes"] = self.cache_max_bytes
+        if self.threads is not None:
+            options["config"] = {"INFERENCE_NUM_THREADS": str(self.threads)}
         return options
 
 

@@ -53,6 +53,11 @@ class Checkpoint:
 
 
 def _check_safetensors_header(path: Path) -> dict[str, str]:
+    return _safetensors_header(path)[0]
+
+
+def _safetensors_header(path: Path) -> tuple[dict[str, str], dict[str, dict]]:
+    """(metadata, tensor name -> {"dtype", "shape", "data_offsets"}) of a safetensors file, checked."""
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(8)
@@ -77,7 +82,8 @@ def _check_safetensors_header(path: Path) -> dict[str, str]:
         raise CheckpointError(
             path, f"truncated: the tensors need {8 + header_len + end} bytes, the file has {size}"
         )
-    return {str(k): str(v) for k, v in metadata.items()}
+    tensors = {str(k): v for k, v in header.items() if isinstance(v, dict)}
+    return {str(k): str(v) for k, v in metadata.items()}, tensors
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
@@ -158,6 +164,32 @@ def detect_family(path: str | os.PathLike, state_dict: dict[str, torch.Tensor]) 
     raise CheckpointError(
         path, "unsupported family: no text encoder keys (SD 1.x, SD 2.x, SDXL base expected)"
     )
+
+
+class _Shape:
+    """A tensor's shape as a safetensors header gives it, for :func:`detect_family` without the tensors."""
+
+    def __init__(self, shape: list[int]) -> None:
+        self.shape = tuple(int(n) for n in shape)
+
+
+def check_checkpoint_file(path: str | os.PathLike) -> str | None:
+    """Check a checkpoint file without loading its tensors: its family for a ``.safetensors`` file (from the
+    header), None for a pickle (only loading it tells).
+
+    Raises:
+        CheckpointError: missing, of another file type, damaged, or not a supported family.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(path, "no such file")
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        _, tensors = _safetensors_header(path)
+        return detect_family(path, {k: _Shape(v.get("shape", [])) for k, v in tensors.items()})  # type: ignore[misc]
+    if suffix in (".ckpt", ".pt", ".pth", ".bin"):
+        return None
+    raise CheckpointError(path, f"unsupported file type {suffix!r}; expected .safetensors or .ckpt")
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:

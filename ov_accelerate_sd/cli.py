@@ -1,4 +1,4 @@
-"""Command line: ``python -m ov_backend generate|devices|cache|demo``.
+"""Command line: ``python -m ov_backend generate|batch|devices|cache|demo``.
 
 An entry point with no logic of its own beyond arguments and output: it validates the
 arguments (argparse message and exit code 2 on anything wrong, before any model is loaded),
@@ -87,6 +87,12 @@ def _cfg_scale(text: str) -> float:
     return value
 
 
+def _workers(text: str) -> str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    return str(_positive(text))
+
+
 def parse_size(text: str) -> int:
     """"2G", "500M", "1.5GB", "1024" -> bytes (powers of 1024)."""
     match = _SIZE.match(text)
@@ -96,25 +102,9 @@ def parse_size(text: str) -> int:
     return int(number * 1024 ** " KMGT".index(unit or " "))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of all commands; each sub-command sets ``handler`` and ``command_parser``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m ov_backend", description="Stable Diffusion through OpenVINO, from WebUI checkpoints."
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log compile reports and details")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,devices,cache,demo}")
-
-    gen = commands.add_parser("generate", help="render images from a WebUI .safetensors checkpoint",
-                              description="Render images from a WebUI checkpoint, with the WebUI's conventions.")
-    gen.set_defaults(handler=_generate, command_parser=gen)
-    source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path, help="WebUI checkpoint (.safetensors, or .ckpt)")
-    source.add_argument("--demo", action="store_true",
-                        help="build (once) a tiny SD-1.5-shaped model with random weights and use it")
+def _add_render_options(gen: argparse.ArgumentParser, out_default: Path | None) -> None:
+    """The options ``generate`` and ``batch`` share (for ``batch``, each is the default of a job line's field)."""
     gen.add_argument("--vae", type=Path, help="separate VAE file replacing the checkpoint's")
-    prompt = gen.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", help="the prompt (WebUI syntax: (word:1.2), [word], BREAK)")
-    prompt.add_argument("--prompts-file", type=Path, help="one prompt per line; each line is one job")
     gen.add_argument("--negative-prompt", default="", help="what to steer away from (WebUI syntax; default: none)")
     gen.add_argument("--steps", type=_positive, default=None, help="sampling steps (default 20; demo 8)")
     gen.add_argument("--cfg-scale", type=_cfg_scale, default=7.0,
@@ -135,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--clip-skip", type=_positive, default=1,
                      help="stop the text encoder this many layers before its last, as the WebUI's "
                           "'Clip skip' (default 1: the last layer)")
+    gen.add_argument("--lora-dir", action="append", type=Path, default=[], metavar="DIR",
+                     help="folder of the LoRA files <lora:name:weight> in a prompt names, searched with its subfolders "
+                          "(repeatable; default: the WebUI's models/Lora beside the checkpoint, when it is in one)")
     gen.add_argument("--device", default="CPU", help="OpenVINO device (see the devices command)")
     gen.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
                      help="auto: the plugin chooses (bf16 on CPUs that have it); f32: force f32; int8: the "
@@ -159,8 +152,66 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sampler steps at the start that always run the full UNet (default 2)")
     gen.add_argument("--step-cache-end", type=_integer, default=1, metavar="K",
                      help="sampler steps at the end that always run the full UNet (default 1)")
-    gen.add_argument("--out", type=Path, default=Path("outputs"),
-                     help="folder for the PNGs, created if missing (default: outputs, in the current folder)")
+    if out_default is not None:
+        gen.add_argument("--out", type=Path, default=out_default,
+                         help="folder for the PNGs, created if missing (default: outputs, in the current folder)")
+    else:
+        gen.add_argument("--out", type=Path, required=True,
+                         help="folder for the PNGs and the job's manifest.jsonl, created if missing; the same "
+                              "command with the same folder resumes the job")
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of all commands; each sub-command sets ``handler`` and ``command_parser``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ov_backend", description="Stable Diffusion through OpenVINO, from WebUI checkpoints."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log compile reports and details")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,devices,cache,demo}")
+
+    gen = commands.add_parser("generate", help="render images from a WebUI .safetensors checkpoint",
+                              description="Render images from a WebUI checkpoint, with the WebUI's conventions.")
+    gen.set_defaults(handler=_generate, command_parser=gen)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="WebUI checkpoint (.safetensors, or .ckpt)")
+    source.add_argument("--demo", action="store_true",
+                        help="build (once) a tiny SD-1.5-shaped model with random weights and use it")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="the prompt (WebUI syntax: (word:1.2), [word], BREAK)")
+    prompt.add_argument("--prompts-file", type=Path, help="one prompt per line; each line is one job")
+    _add_render_options(gen, Path("outputs"))
+
+    batch = commands.add_parser(
+        "batch", help="render a job file (JSONL or a prompts file) into a folder, resumable",
+        description="Render every line of a job file into --out, with the WebUI's infotext in each PNG. Running the "
+                    "same command again resumes: finished images are kept, the rest rendered with the same seeds. "
+                    "Each option below is the default of the job line field of the same name (docs/batch.md).")
+    batch.set_defaults(handler=_batch, command_parser=batch)
+    jobs = batch.add_mutually_exclusive_group(required=True)
+    jobs.add_argument("jobs", nargs="?", type=Path, metavar="JOBS",
+                      help="a .jsonl job file: one JSON object a line with any of the fields prompt, negative_prompt, "
+                           "seed, width, height, steps, sampler, cfg_scale, batch_size, batch_count, checkpoint, "
+                           "precision, step_cache, init_image, denoising_strength, clip_skip")
+    jobs.add_argument("--prompts-file", type=Path, help="one prompt a line; each line is one job")
+    model = batch.add_mutually_exclusive_group()
+    model.add_argument("--checkpoint", type=Path, help="WebUI checkpoint of the lines that name none")
+    model.add_argument("--demo", action="store_true",
+                       help="the lines that name no checkpoint use the demo model (the default without --checkpoint)")
+    batch.add_argument("--prompt", help="the prompt of the lines that give none")
+    batch.add_argument("--skip-bad", action="store_true",
+                       help="list the bad lines and render the others (default: a bad line stops the job before it "
+                            "renders anything)")
+    batch.add_argument("--workers", type=_workers, default=None, metavar="N",
+                       help="render N batches at once in N processes, each on its share of the cores (refused when "
+                            "N would not fit in memory, saying what would); auto: chosen from the cores and the "
+                            "memory (default 1; with --ray: as many as the cluster holds)")
+    batch.add_argument("--ray", metavar="ADDRESS",
+                       help="render on the workers of a Ray cluster: 'auto' (the one started on this machine with "
+                            "'ray start --head'), or its address; needs the optional extra requirements-ray.txt")
+    batch.add_argument("--ray-cpus-per-worker", type=_positive, default=4, metavar="N",
+                       help="with --ray: the CPUs each worker takes (and OpenVINO's threads in it; default 4)")
+    _add_render_options(batch, None)
 
     devices = commands.add_parser("devices", help="the devices OpenVINO sees, with full names and capabilities")
     devices.set_defaults(handler=_devices, command_parser=devices)
@@ -190,6 +241,12 @@ def _generate(parser: argparse.ArgumentParser, args: Any) -> int:
     from .generate_command import run_generate
 
     return run_generate(parser, args)
+
+
+def _batch(parser: argparse.ArgumentParser, args: Any) -> int:
+    from .batch_command import run_batch
+
+    return run_batch(parser, args)
 
 
 def _demo(parser: argparse.ArgumentParser, args: Any) -> int:

@@ -179,6 +179,16 @@ def _validate(parser: argparse.ArgumentParser, args: Any) -> tuple[list, Any, Pa
     if problem is not None:
         parser.error(f"--out {args.out}: {problem}")
 
+    from .lora import find_lora, parse_prompt_loras, webui_lora_dirs
+
+    lora_dirs = args.lora_dir or (webui_lora_dirs(args.checkpoint) if args.checkpoint is not None else [])
+    for prompt in prompts:
+        try:
+            for ref in parse_prompt_loras(prompt)[1]:
+                find_lora(ref.name, lora_dirs)
+        except ValueError as exc:
+            parser.error(str(exc))
+
     from .demo_checkpoint import DEMO_SIZE, DEMO_STEPS
     from .pipeline import GenerationJob
     from .samplers import sampler_spec
@@ -236,6 +246,7 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
     from .checkpoint import CheckpointError, file_hash
     from .demo_checkpoint import demo_checkpoint
     from .loader import load_components
+    from .lora import LoraError, webui_lora_dirs
     from .openvino_entry import ENTRY_KEY, format_entry
     from .pipeline import Generator, Interrupted
     from .pnginfo import save_png
@@ -260,7 +271,7 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
     entry = format_entry(settings.device, settings.accelerate, settings.precision,
                          step_cache=settings.step_cache.interval) if settings.accelerate else None
     generator = Generator(components, Path(checkpoint).stem, file_hash(checkpoint), {ENTRY_KEY: entry},
-                          step_cache=accelerator.step_cache)
+                          step_cache=accelerator.step_cache, lora_dirs=args.lora_dir or webui_lora_dirs(checkpoint))
     load_seconds = time.perf_counter() - started
     _out(f"loaded {checkpoint} ({components.family}) in {load_seconds:.1f}s; OpenVINO on "
          f"{settings.device} for: {parts}")
@@ -298,6 +309,8 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
                     except Interrupted:
                         times.batch_dropped()
                         raise
+                    except LoraError as exc:
+                        parser.error(f"job {job_index + 1}: {exc}")
                     finally:
                         bar.close()
                     times.batch_done(len(images))

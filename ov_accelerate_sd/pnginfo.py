@@ -134,6 +134,29 @@ def save_png(image: Image.Image, path: str | os.PathLike, infotext: str) -> Path
     return path
 
 
+def png_bytes(image: Image.Image, infotext: str) -> bytes:
+    """The PNG file :func:`save_png` writes, as bytes (a worker sends them to the process that saves them)."""
+    import io
+
+    info = PngInfo()
+    info.add_text(PNG_KEY, infotext)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()
+
+
+def write_png_bytes(data: bytes, path: str | os.PathLike) -> Path:
+    """Write a PNG made by :func:`png_bytes`, atomically, as :func:`save_png` does.
+
+    Raises:
+        OSError: the file could not be written.
+    """
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return path
+
+
 def read_png_infotext(path: str | os.PathLike) -> str | None:
     """The "parameters" text of a PNG, or None."""
     with Image.open(path) as image:

@@ -43,11 +43,13 @@ class SDSettings:
     """Override of the checkpoint's prediction type ("epsilon" or "v_prediction"); None: detect."""
     step_cache: StepCacheSettings = StepCacheSettings()
     """Step caching of the UNet (DeepCache; off by default): its interval, depth and full steps."""
+    threads: int | None = None
+    """OpenVINO's threads per inference (``BackendChoice.threads``); None: every core the process may use."""
 
     def backend_choice(self) -> BackendChoice:
         """The backend these settings choose (see :class:`~.backends.Backends`)."""
         return BackendChoice(device=self.device, precision=self.precision, model_caching=self.model_caching,
-                             cache_dir=self.cache_dir, cache_max_bytes=self.cache_max_bytes)
+                             cache_dir=self.cache_dir, cache_max_bytes=self.cache_max_bytes, threads=self.threads)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SDSettings))
@@ -84,6 +86,9 @@ def build_sd_settings(options: Mapping[str, Any] | None = None) -> SDSettings:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {settings.precision!r}")
     if not isinstance(settings.device, str) or not settings.device:
         raise ValueError(f"device must be a non-empty device name, got {settings.device!r}")
+    if settings.threads is not None and (isinstance(settings.threads, bool) or not isinstance(settings.threads, int)
+                                         or settings.threads < 1):
+        raise ValueError(f"threads must be a whole number >= 1 or None, got {settings.threads!r}")
     if settings.prediction_type not in (None, "epsilon", "v_prediction"):
         raise ValueError(
             f"prediction_type must be 'epsilon', 'v_prediction' or None, got {settings.prediction_type!r}"

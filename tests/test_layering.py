@@ -65,3 +65,10 @@ def test_importing_the_backend_or_the_adapter_loads_no_openvino():
             "if m.split('.')[0] == 'openvino'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_only_the_cluster_module_imports_ray():
+    """Ray is an optional extra: the backend, the WebUI adapter and the rest of the SD layer never import it."""
+    users = {path for package in ("ov_backend", "ov_accelerate_sd", "ov_accelerate_webui")
+             for path, names in _imports(package).items() if "ray" in names}
+    assert users == {"ov_accelerate_sd/batch_ray.py"}

@@ -1,0 +1,224 @@
+"""Rendering a batch job's images: one model at a time, switched only when a line asks for another.
+
+Owns :class:`RenderOptions` (what every line of a run shares: device, parts, cache, VAE, step caching's
+shape), :class:`BatchRenderer` (the loaded checkpoint, routed through ov_backend under one line's setup, and
+a batch of a line rendered with it) and :func:`job_for` (a job line and its seed -> a ``GenerationJob``). A new
+checkpoint is a load; a new precision or step caching interval on the same checkpoint is a new routing (the
+disk cache makes it a compile, not a conversion); the same setup again costs nothing.
+
+The renderer holds no file and no manifest: the command (or a worker process) that owns it saves what it
+returns, so the same renderer serves one process, ``--workers`` processes and a cluster's workers.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .batch_jobs import JobLine
+from .parts import PARTS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """What every line of a batch run shares (picklable: a worker process gets a copy)."""
+
+    device: str = "CPU"
+    accelerate: tuple[str, ...] = PARTS
+    """The parts routed through OpenVINO; the others stay in PyTorch."""
+    model_caching: bool = True
+    cache_dir: str | None = None
+    cache_max_bytes: int | None = None
+    vae: str | None = None
+    """A VAE file replacing every checkpoint's own."""
+    step_cache_depth: int = 2
+    step_cache_start: int = 2
+    step_cache_end: int = 1
+    threads: int | None = None
+    """OpenVINO's and PyTorch's threads for this renderer (None: all cores); set in a worker process."""
+    lora_dirs: tuple[str, ...] = ()
+    """Folders of the LoRA files prompts name; empty: the WebUI's ``models/Lora`` beside each checkpoint."""
+    demo_folder: str | None = field(default=None, compare=False)
+    """Where the demo checkpoint is built (None: the per-user cache)."""
+
+    def settings(self, precision: str, step_cache: int) -> Any:
+        """The SD layer's settings for one line's precision and step caching interval."""
+        from .settings import build_sd_settings
+
+        options: dict[str, Any] = {
+            "device": self.device, "precision": precision, "model_caching": self.model_caching,
+            "cache_max_bytes": self.cache_max_bytes, "accelerate": self.accelerate,
+            "step_cache": {"interval": step_cache, "depth": self.step_cache_depth,
+                           "full_start": self.step_cache_start, "full_end": self.step_cache_end},
+        }
+        if self.cache_dir is not None:
+            options["cache_dir"] = self.cache_dir
+        if self.threads is not None:
+            options["threads"] = self.threads
+        return build_sd_settings(options)
+
+
+def job_for(line: JobLine, seed: int, init_images: dict[str, Any] | None = None) -> Any:
+    """The ``GenerationJob`` of ``line`` with its resolved ``seed`` (init images read once, kept in
+    ``init_images`` by path)."""
+    from PIL import Image
+
+    from .pipeline import GenerationJob
+
+    init = None
+    if line.init_image:
+        cache = init_images if init_images is not None else {}
+        if line.init_image not in cache:
+            with Image.open(line.init_image) as img:
+                cache[line.init_image] = img.convert("RGB")
+        init = cache[line.init_image]
+    return GenerationJob(
+        prompt=line.prompt, negative_prompt=line.negative_prompt, steps=line.steps, cfg_scale=line.cfg_scale,
+        sampler=line.sampler, width=line.width, height=line.height, seed=seed, batch_size=line.batch_size,
+        batch_count=line.batch_count, init_image=init, denoising_strength=line.denoising_strength,
+        clip_skip=line.clip_skip,
+    )
+
+
+class BatchRenderer:
+    """Renders batches of job lines, keeping the model of the last line's setup loaded and routed.
+
+    Args:
+        options: what every line shares.
+        say: called with a line of text for the user (a load, a new routing).
+    """
+
+    def __init__(self, options: RenderOptions, say: Callable[[str], None] | None = None) -> None:
+        self.options = options
+        self._say = say or (lambda text: logger.info("%s", text))
+        self._checkpoint: str | None = None
+        self._setup: tuple[str, str, int] | None = None
+        self._components: Any = None
+        self._accelerator: Any = None
+        self._generator: Any = None
+        self._init_images: dict[str, Any] = {}
+        self._calibrate_pending = False
+        self.loads = 0
+        self.load_seconds = 0.0
+        self.reports: list[str] = []
+        """The compile reports of the routings this renderer ended (what each graph's build did)."""
+        self.backend_stats: dict[str, float] = {}
+        """The counters of every routing this renderer made, summed (compile and run seconds, calls, ...)."""
+
+    def checkpoint_path(self, line: JobLine) -> str:
+        if line.checkpoint:
+            return line.checkpoint
+        from .demo_checkpoint import demo_checkpoint
+
+        return str(demo_checkpoint(self.options.demo_folder))
+
+    @staticmethod
+    def _counters(accelerator: Any) -> dict[str, float]:
+        """An accelerator's backend counters, with ``conversions``: the partitions converted to OpenVINO (a
+        LoRA or size change reuses a conversion and only compiles; a disk cache hit converts nothing)."""
+        stats = {key: float(value) for key, value in accelerator.stats().items()}
+        stats["conversions"] = float(sum(1 for report in accelerator.backends.reports() for p in report.partitions
+                                         if p.in_openvino and not p.reused and not p.cache_hit))
+        return stats
+
+    def _unroute(self) -> None:
+        if self._accelerator is not None:
+            self.reports += [report.summary() for report in self._accelerator.backends.reports()]
+            for key, value in self._counters(self._accelerator).items():
+                self.backend_stats[key] = self.backend_stats.get(key, 0.0) + value
+            self._accelerator.restore()
+        self._accelerator = self._generator = None
+        self._setup = None
+
+    def _use(self, line: JobLine) -> None:
+        import time
+
+        from .accelerate import Accelerator
+        from .checkpoint import file_hash
+        from .loader import load_components
+        from .lora import webui_lora_dirs
+        from .openvino_entry import ENTRY_KEY, format_entry
+        from .pipeline import Generator
+
+        if self._setup == line.setup:
+            return
+        if self._generator is not None:
+            self._generator.loras.restore()  # the next routing starts from the checkpoint's own weights
+        self._unroute()
+        checkpoint = self.checkpoint_path(line)
+        if checkpoint != self._checkpoint:
+            self._components = None
+            gc.collect()  # the last checkpoint's weights go before the next one's come in
+            started = time.perf_counter()
+            self._components = load_components(checkpoint, vae_path=self.options.vae)
+            self._checkpoint = checkpoint
+            self._name, self._hash = Path(checkpoint).stem, file_hash(checkpoint)
+            seconds = time.perf_counter() - started
+            self.loads += 1
+            self.load_seconds += seconds
+            self._say(f"loaded {checkpoint} ({self._components.family}) in {seconds:.1f}s")
+        settings = self.options.settings(line.precision, line.step_cache)
+        accelerator = Accelerator(self._components, settings)
+        if settings.accelerate:
+            accelerator.apply()
+        entry = format_entry(settings.device, settings.accelerate, settings.precision,
+                             step_cache=settings.step_cache.interval) if settings.accelerate else None
+        self._generator = Generator(self._components, self._name, self._hash, {ENTRY_KEY: entry},
+                                    step_cache=accelerator.step_cache,
+                                    lora_dirs=self.options.lora_dirs or webui_lora_dirs(checkpoint))
+        self._accelerator = accelerator
+        self._setup = line.setup
+        self._calibrate_pending = settings.backend_choice().quantized
+        self._say(f"OpenVINO on {settings.device} for {'+'.join(settings.accelerate)} at {settings.precision}"
+                  + (f", step caching every {line.step_cache}" if line.step_cache > 1 else "")
+                  if settings.accelerate else "every part in PyTorch (--pytorch)")
+
+    def render(
+        self,
+        line: JobLine,
+        seed: int,
+        batch: int,
+        on_step: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Any]:
+        """Batch ``batch`` of ``line`` (its seed resolved): the ``GeneratedImage``s, in order.
+
+        Raises:
+            CheckpointError: the line's checkpoint cannot be loaded.
+            LoraError: a LoRA of the prompt does not fit the model.
+            StepCacheUnsupported: the model cannot run with step caching.
+            Interrupted: ``should_stop`` said so; nothing of the batch is returned.
+        """
+        self._use(line)
+        images = self._generator.run_batch(job_for(line, seed, self._init_images), batch, on_step, should_stop)
+        if self._calibrate_pending:
+            self._calibrate_pending = False
+            if self._accelerator.calibrate():
+                self._say("INT8: " + "; ".join(r.summary() for r in self._accelerator.backends.reports()
+                                               if r.route == "int8"))
+        return images
+
+    def stats(self) -> dict[str, float]:
+        """The backend counters of every routing so far, the current one included, summed."""
+        stats = dict(self.backend_stats)
+        if self._accelerator is not None:
+            for key, value in self._counters(self._accelerator).items():
+                stats[key] = stats.get(key, 0.0) + value
+        return stats
+
+    def eager_report(self) -> str | None:
+        """Which parts' calls ran in plain PyTorch, and why (the current routing), or None."""
+        return self._accelerator.eager_report() if self._accelerator is not None else None
+
+    def close(self) -> dict[str, float]:
+        """Put the models back and drop them; returns the summed backend counters."""
+        self._unroute()
+        self._components = None
+        self._checkpoint = None
+        return self.backend_stats

@@ -1,0 +1,458 @@
+"""``python -m ov_backend batch``: a job file rendered into a folder, checked before it renders, resumed after a
+kill with the same images bit for bit, on ``--workers 2`` and on a local Ray cluster with a worker killed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ov_accelerate_sd.batch_command import Progress
+from ov_accelerate_sd.batch_manifest import MANIFEST, Manifest, ManifestError
+from ov_accelerate_sd.cli import main
+from ov_accelerate_sd.pnginfo import parse_infotext, read_png_infotext
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = Path(sys.executable).with_name("ray")
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+PYTORCH_ONLY = ["--pytorch", "unet", "--pytorch", "vae", "--pytorch", "text_encoder"]
+
+
+def write_jobs(path: Path, lines: list) -> Path:
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n",
+                    encoding="utf-8")
+    return path
+
+
+def pngs(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.png"))}
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(row) for row in (folder / MANIFEST).read_text().splitlines() if row.strip()]
+
+
+def batch(*args: str, verbose: bool = False, **env_vars: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env_vars)
+    return subprocess.Popen([sys.executable, "-m", "ov_backend", *(["-v"] if verbose else []), "batch", *args],
+                            env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def init_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("init") / "start.png"
+    pixels = np.random.default_rng(3).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def write_lora(path: Path, checkpoint: Path) -> Path:
+    """A kohya LoRA (the WebUI's LDM layer names) on every attention projection of the checkpoint's UNet."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ov_accelerate_sd.checkpoint import read_checkpoint
+
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for name, weight in read_checkpoint(checkpoint).state_dict.items():
+        if ".attn" in name and name.endswith(("to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight")):
+            key = "lora_unet_" + name[len("model.diffusion_model."):-len(".weight")].replace(".", "_")
+            out, inp = weight.shape
+            tensors[f"{key}.lora_down.weight"] = torch.randn(2, inp, generator=gen) / inp**0.5
+            tensors[f"{key}.lora_up.weight"] = torch.randn(out, 2, generator=gen) * 0.5
+            tensors[f"{key}.alpha"] = torch.tensor(2.0)
+    assert tensors
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_job(tmp_path_factory: pytest.TempPathFactory, sd1_checkpoint: Path, init_image: Path) -> Path:
+    """Two sizes, two samplers, a batch of two, a LoRA (in ``loras/`` beside the job), img2img with a path relative
+    to the job file, a blank line."""
+    folder = tmp_path_factory.mktemp("job")
+    (folder / "in").mkdir()
+    (folder / "in" / "start.png").write_bytes(init_image.read_bytes())
+    write_lora(folder / "loras" / "style.safetensors", sd1_checkpoint)
+    return write_jobs(folder / "job.jsonl", [
+        {"prompt": "a red barn", "seed": 11},
+        {"prompt": "a blue (boat:1.3)", "seed": 20, "width": 96, "sampler": "DPM++ 2M Karras", "batch_size": 2},
+        "",
+        {"prompt": "a green field", "negative_prompt": "fog", "seed": 30, "init_image": "in/start.png",
+         "denoising_strength": 0.6},
+        {"prompt": "a yellow kite", "seed": 40, "steps": 3, "checkpoint": str(sd1_checkpoint)},
+        {"prompt": "a red barn <lora:style:1>", "seed": 11},
+    ])
+
+
+@pytest.fixture(scope="module")
+def one_go(tmp_path_factory: pytest.TempPathFactory, mixed_job: Path, sd1_checkpoint: Path) -> tuple[Path, Path]:
+    """The mixed job through OpenVINO at f32 in one go: (output folder, the disk cache it warmed)."""
+    cache = tmp_path_factory.mktemp("cache")
+    out = tmp_path_factory.mktemp("one-go") / "out"
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), verbose=True)
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr
+    assert "job: 5 line(s), 6 image(s); 0 already in" in stdout
+    assert "6 image(s) rendered into" in stdout and "6 of 6 done" in stdout
+    # the LoRA line (after a line of the same size) compiled the UNet for its weights, converting nothing
+    assert "conversion reused for the new weights" in stderr
+    return out, cache
+
+
+def job_options(job: Path, checkpoint: Path, cache: Path, out: Path) -> list[str]:
+    return ["--checkpoint", str(checkpoint), "--width", "64", "--height", "64", "--steps", "2", "--precision", "f32",
+            "--cache-dir", str(cache), "--lora-dir", str(job.parent / "loras"), "--out", str(out)]
+
+
+def test_a_mixed_job_renders_every_image_once_with_the_webuis_infotext(one_go: tuple[Path, Path],
+                                                                       sd1_checkpoint: Path) -> None:
+    out, _ = one_go
+    made = pngs(out)
+    assert sorted(made) == ["00001-00-11.png", "00002-00-20.png", "00002-01-21.png", "00004-00-30.png",
+                            "00005-00-40.png", "00006-00-11.png"]
+    info = {name: parse_infotext(read_png_infotext(out / name)) for name in made}
+    assert info["00001-00-11.png"]["Size"] == "64x64" and info["00001-00-11.png"]["Sampler"] == "Euler a"
+    blue = info["00002-01-21.png"]
+    assert blue["Prompt"] == "a blue (boat:1.3)" and blue["Size"] == "96x64" and blue["Seed"] == "21"
+    assert blue["Sampler"] == "DPM++ 2M" and blue["Schedule type"] == "Karras"
+    img2img = info["00004-00-30.png"]
+    assert img2img["Denoising strength"] == "0.6" and img2img["Negative prompt"] == "fog"
+    assert info["00005-00-40.png"]["Steps"] == "3"
+    lora = info["00006-00-11.png"]
+    assert lora["Prompt"] == "a red barn <lora:style:1>" and lora["Lora hashes"].startswith("style: ")
+    assert "Lora hashes" not in info["00001-00-11.png"]
+    assert psnr(made["00006-00-11.png"], made["00001-00-11.png"]) < 30  # the LoRA moved the picture
+    assert all(i["OpenVINO"] == "CPU, UNet+VAE+TE, f32" and i["Model"] == sd1_checkpoint.stem for i in info.values())
+    with Image.open(out / "00002-00-20.png") as img:
+        assert img.size == (96, 64)
+    images = [r for r in records(out) if r["kind"] == "image"]
+    assert sorted(r["file"] for r in images) == sorted(made)  # each recorded once
+    # the img2img line is not the txt2img picture of its seed: the init image was used
+    assert made["00004-00-30.png"] != made["00001-00-11.png"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_killed_mid_job_and_resumed_gives_the_same_images_bit_for_bit(one_go: tuple[Path, Path], mixed_job: Path,
+                                                                      sd1_checkpoint: Path, tmp_path: Path) -> None:
+    reference, cache = one_go
+    out = tmp_path / "out"
+    args = [str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out)]
+    proc = batch(*args)
+    for row in proc.stdout:
+        if row.startswith("[2/6]"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    before = pngs(out)
+    assert 2 <= len(before) < 6
+
+    proc = batch(*args)
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr
+    done = len([r for r in records(out) if r["kind"] == "image"])
+    assert f"job: 5 line(s), 6 image(s); {len(before)} already in" in stdout
+    assert pngs(out) == pngs(reference)  # every image, the same bytes as the run in one go
+    assert {name: pngs(out)[name] for name in before} == before  # what was done was kept, not redone
+    assert done == 6 and not list(out.glob(".*.tmp"))
+
+    proc = batch(*args)  # a third time: nothing left
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    assert "6 already in" in stdout and "0 to render" in stdout and "0 image(s) rendered" in stdout
+
+
+def test_a_torn_record_and_a_half_written_png_are_redone(tmp_path: Path, sd1_checkpoint: Path) -> None:
+    jobs = write_jobs(tmp_path / "j.jsonl", [{"prompt": "a cat", "seed": 3, "batch_count": 2}])
+    out = tmp_path / "out"
+    argv = ["batch", str(jobs), "--checkpoint", str(sd1_checkpoint), "--width", "64", "--height", "64",
+            "--steps", "2", *PYTORCH_ONLY, "--out", str(out)]
+    assert main(argv) == 0
+    reference = pngs(out)
+    # What a kill can leave: the last record torn, a temporary PNG, an image renamed before its record.
+    text = (out / MANIFEST).read_text()
+    (out / MANIFEST).write_text(text[: text.rindex("{") + 25])
+    (out / ".00001-01-4.png.1234abcd.tmp").write_bytes(b"\x89PNG half")
+    assert main(argv) == 0
+    assert pngs(out) == reference and not list(out.glob(".*.tmp"))
+    assert [r["file"] for r in records(out) if r["kind"] == "image"] == ["00001-00-3.png", "00001-01-4.png"]
+
+
+def test_bad_lines_are_listed_with_their_numbers_and_nothing_renders(tmp_path: Path, sd1_checkpoint: Path,
+                                                                     capsys) -> None:
+    not_a_model = tmp_path / "lora.safetensors"
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, str(not_a_model))
+    jobs = write_jobs(tmp_path / "j.jsonl", [
+        {"prompt": "fine", "seed": 1},
+        {"prompt": "x", "sampler": "Euler b"},
+        {"prompt": "x", "checkpoint": "missing.safetensors"},
+        "",
+        {"prompt": "x", "width": 100},
+        '{"prompt": "x", "seed": 1',
+        {"prompt": "x", "colour": "red"},
+        ["not", "an", "object"],
+        {"prompt": "x", "steps": "20"},
+        {"prompt": "x", "checkpoint": str(not_a_model)},
+        {"prompt": "x", "precision": "fp8"},
+        {"negative_prompt": "no prompt"},
+        {"prompt": "x", "init_image": "nowhere.png"},
+    ])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as info:
+        main(["batch", str(jobs), "--checkpoint", str(sd1_checkpoint), "--out", str(out)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    expected = {
+        2: "unknown sampler 'Euler b'; valid samplers:",
+        3: "checkpoint missing.safetensors: no such file",
+        5: "width 100 must be a multiple of 8 and at least 64",
+        6: "not valid JSON",
+        7: "unknown field(s) colour; valid fields: prompt, negative_prompt, seed",
+        8: "a line must be one JSON object, got list",
+        9: 'steps must be a number, got "20"',
+        10: "not a Stable Diffusion checkpoint (it looks like a diffusers component, a LoRA or a VAE",
+        11: "unknown precision 'fp8'; valid: auto, f32",
+        12: "prompt is empty",
+        13: "init_image nowhere.png: no such file",
+    }
+    for number, message in expected.items():
+        assert any(row.startswith(f"{jobs}:{number}: ") and message in row for row in err.splitlines()), (number, err)
+    assert f"{jobs}:1:" not in err
+    assert "11 bad line(s)" in err and "--skip-bad" in err
+    assert not out.exists()
+
+
+def test_skip_bad_renders_the_good_lines_and_lists_the_others(tmp_path: Path, sd1_checkpoint: Path, capsys) -> None:
+    jobs = write_jobs(tmp_path / "j.jsonl", [{"prompt": "x", "width": 100}, {"prompt": "a dog", "seed": 8}])
+    out = tmp_path / "out"
+    assert main(["batch", str(jobs), "--checkpoint", str(sd1_checkpoint), "--width", "64", "--height", "64",
+                 "--steps", "2", *PYTORCH_ONLY, "--skip-bad", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert f"{jobs}:1: width 100" in captured.err and "skipping 1 bad line(s)" in captured.err
+    assert sorted(pngs(out)) == ["00002-00-8.png"]
+
+
+def test_a_changed_line_is_refused_on_resume_and_a_new_line_renders(tmp_path: Path, sd1_checkpoint: Path,
+                                                                    capsys) -> None:
+    jobs = tmp_path / "j.jsonl"
+    common = ["--checkpoint", str(sd1_checkpoint), "--width", "64", "--height", "64", *PYTORCH_ONLY,
+              "--out", str(tmp_path / "out")]
+    write_jobs(jobs, [{"prompt": "a cat", "seed": -1, "steps": 2}])
+    assert main(["batch", str(jobs), *common]) == 0
+    first = pngs(tmp_path / "out")
+    write_jobs(jobs, [{"prompt": "a cat", "seed": -1, "steps": 3}])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["batch", str(jobs), *common])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "line 1: steps 2 -> 3" in err and "1 line(s) differ from the job this folder's run began with" in err
+    # the same line again (its random seed kept), plus a new one
+    write_jobs(jobs, [{"prompt": "a cat", "seed": -1, "steps": 2}, {"prompt": "a dog", "seed": 4, "steps": 2}])
+    assert main(["batch", str(jobs), *common]) == 0
+    now = pngs(tmp_path / "out")
+    assert {k: now[k] for k in first} == first and len(now) == 2 and "00002-00-4.png" in now
+
+
+def test_a_plain_prompts_file_and_a_job_file_not_ending_in_jsonl(tmp_path: Path, sd1_checkpoint: Path,
+                                                                 capsys) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n\n(a blue:1.2) dog\n", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        main(["batch", str(prompts), "--out", str(tmp_path / "o")])
+    assert "use --prompts-file" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main(["batch", "--prompts-file", str(prompts), "--checkpoint", str(sd1_checkpoint), "--seed", "5",
+                 "--width", "64", "--height", "64", "--steps", "2", *PYTORCH_ONLY, "--out", str(out)]) == 0
+    made = sorted(pngs(out))
+    assert made == ["00001-00-5.png", "00003-00-5.png"]
+    assert parse_infotext(read_png_infotext(out / made[1]))["Prompt"] == "(a blue:1.2) dog"
+
+
+def test_one_run_at_a_time_writes_a_folder(tmp_path: Path) -> None:
+    with Manifest(tmp_path):
+        with pytest.raises(ManifestError, match="another batch run is writing"):
+            Manifest(tmp_path)
+    Manifest(tmp_path).close()  # free again once the first closed
+
+
+def test_progress_gives_images_a_minute_and_time_left() -> None:
+    now = [0.0]
+    progress = Progress(total=10, done_before=4, clock=lambda: now[0])
+    assert progress.left_text() == ""
+    now[0] = 60.0
+    progress.rendered = 2
+    assert progress.per_minute == 2.0 and progress.left_text() == "2.00 images/min, 2.0 min left"
+    progress.rendered = 6
+    assert progress.left_text() == "6.00 images/min"
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The pids of a process's worker children (multiprocessing's spawned workers, not its resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def psnr(a: bytes, b: bytes) -> float:
+    import io
+
+    x, y = (np.asarray(Image.open(io.BytesIO(data)), dtype=np.float64) for data in (a, b))
+    mse = float(((x - y) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="two cores and /proc")
+def test_two_workers_with_one_killed_mid_job_make_every_image_once(one_go: tuple[Path, Path], mixed_job: Path,
+                                                                   sd1_checkpoint: Path, tmp_path: Path) -> None:
+    reference, cache = one_go
+    out = tmp_path / "out"
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--workers", "2")
+    seen = []
+    killed = None
+    for row in proc.stdout:
+        seen.append(row)
+        if row.startswith("[1/6]") and killed is None:
+            workers = worker_pids(proc.pid)
+            assert len(workers) == 2, seen
+            killed = workers[0]
+            os.kill(killed, signal.SIGKILL)
+    stdout = "".join(seen)
+    stderr = proc.stderr.read()
+    proc.wait(timeout=900)
+    assert proc.returncode == 0, stderr
+    assert "2 workers (2 requested)" in stdout
+    assert "a worker process ended unexpectedly" in stdout and "go to new workers" in stdout
+    made = pngs(out)
+    expected = pngs(reference)
+    assert sorted(made) == sorted(expected)
+    assert sorted(r["file"] for r in records(out) if r["kind"] == "image") == sorted(expected)  # each once
+    # Each worker computes on 1 thread instead of 2: OpenVINO's sums split otherwise, the pictures agree to
+    # rounding (measured: at most 1/255 on a few pixels, 83 dB and more).
+    assert min(psnr(made[name], expected[name]) for name in made) > 60
+
+
+def test_workers_are_planned_from_the_cores_and_the_memory() -> None:
+    from ov_accelerate_sd.batch_workers import plan_workers
+
+    gib = 1 << 30
+    plan = plan_workers(2, 5 * gib, 24 * gib, [0, 1], batches=10)
+    assert plan.workers == 2 and plan.core_sets == ((0,), (1,))
+    with pytest.raises(ValueError, match=r"--workers 4 would hold about 20.0 GiB .*--workers 2 fits"):
+        plan_workers(4, 5 * gib, 12 * gib, list(range(8)), batches=10)
+    with pytest.raises(ValueError, match="may use 2 core"):
+        plan_workers(3, gib, 24 * gib, [0, 1], batches=10)
+    auto = plan_workers(None, 5 * gib, 32 * gib, list(range(16)), batches=10)
+    assert auto.workers == 4 and auto.core_sets[0] == (0, 1, 2, 3)  # 4 cores a worker
+    assert plan_workers(None, 5 * gib, 12 * gib, list(range(16)), batches=10).workers == 2  # memory for 2
+    assert plan_workers(None, gib, 24 * gib, [0, 1], batches=10).workers == 1
+    assert plan_workers(2, gib, 24 * gib, [0, 1, 2], batches=1).workers == 1  # one batch: one worker
+    assert plan_workers(2, gib, None, [0, 1, 2], batches=5).core_sets == ((0, 1), (2,))
+
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A local Ray cluster of 2 CPUs (``ray start --head``), its address; stopped afterwards."""
+    port = _free_port()
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # a short path: Ray's sockets live under it
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    subprocess.run([str(RAY), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                    "--disable-usage-stats", f"--temp-dir={temp}"], env=env, check=True, capture_output=True,
+                   timeout=300)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([str(RAY), "stop", "--force"], env=env, capture_output=True, timeout=300)
+
+
+def ray_workers() -> list[int]:
+    """The pids of the cluster's render workers (Ray names a worker process after its actor class)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::RenderWorker"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not HAVE_RAY or not sys.platform.startswith("linux"),
+                    reason="the optional extra requirements-ray.txt, and /proc")
+def test_a_ray_cluster_of_two_workers_with_one_killed_makes_every_image_once(
+        cluster: str, one_go: tuple[Path, Path], mixed_job: Path, sd1_checkpoint: Path, tmp_path: Path) -> None:
+    reference, cache = one_go
+    out = tmp_path / "out"
+    # By address, a driver shows the cluster's token (Ray's default authentication; docs/batch.md)
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--ray", cluster,
+                 "--ray-cpus-per-worker", "1", RAY_AUTH_MODE="token")
+    seen, killed = [], None
+    for row in proc.stdout:
+        seen.append(row)
+        if row.startswith("[1/6]") and killed is None:
+            deadline = time.monotonic() + 60
+            while len(workers := ray_workers()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert len(workers) == 2, seen
+            killed = workers[0]
+            os.kill(killed, signal.SIGKILL)
+    stdout = "".join(seen)
+    stderr = proc.stderr.read()
+    proc.wait(timeout=900)
+    assert proc.returncode == 0, stdout + stderr
+    assert f"Ray cluster at {cluster}: 2 CPU(s), 2 worker(s) of 1 CPU(s)" in stdout
+    assert killed not in ray_workers()
+    made, expected = pngs(out), pngs(reference)
+    assert sorted(made) == sorted(expected)
+    assert sorted(r["file"] for r in records(out) if r["kind"] == "image") == sorted(expected)  # each written once
+    # a worker computes on 1 thread, the one-process run on 2: equal to rounding
+    assert min(psnr(made[name], expected[name]) for name in made) > 60
+    # the killed worker's batch ran again on the worker Ray started in its place
+    assert "6 image(s) rendered" in stdout
+
+
+def test_without_ray_the_option_says_how_to_install_it(tmp_path: Path, sd1_checkpoint: Path, monkeypatch,
+                                                       capsys) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    jobs = tmp_path / "j.jsonl"
+    jobs.write_text(json.dumps({"prompt": "x", "seed": 1}) + "\n")
+    with pytest.raises(SystemExit) as info:
+        main(["batch", str(jobs), "--checkpoint", str(sd1_checkpoint), "--ray", "auto", "--out", str(tmp_path / "o")])
+    assert info.value.code == 2
+    assert "pip install -r requirements-ray.txt" in capsys.readouterr().err
