@@ -37,9 +37,11 @@ AUTO_CORES_PER_WORKER = 4
 MAX_RESTARTS = 3
 #: Bytes a worker holds beside the weights: the interpreter, torch, OpenVINO, a batch's activations.
 WORKER_OVERHEAD = 1 << 30
-#: Bytes per parameter a worker holds at its peak: PyTorch's f32 copy as the checkpoint loads (4) and
-#: OpenVINO's compiled copy, by precision (the UNet's share at 8-bit weights counted at 1).
-_BYTES_PER_PARAMETER = {"f32": 8.0, "auto": 8.0, "int8": 6.0, "int8-weights": 5.5}
+#: Bytes per parameter a worker holds at its peak: PyTorch's f32 copy as the checkpoint loads (4; it moves into
+#: the weight file as OpenVINO builds) and, beside what is left of it, OpenVINO's compiled copy, by precision
+#: (f32 counted at every CPU's worst: a CPU without bf16 compiles *Automatic* at f32). The WebUI's whole
+#: process at f32 on full-size SD 1.5 peaked at 7.1 GiB, 1.07 billion parameters (docs/memory.md).
+_BYTES_PER_PARAMETER = {"f32": 6.0, "auto": 6.0, "int8": 6.0, "int8-weights": 5.0}
 
 
 def usable_cores() -> list[int]:
@@ -71,7 +73,7 @@ def checkpoint_parameters(path: str) -> int:
 
 def worker_bytes(models: Iterable[tuple[str, str]]) -> int:
     """What one worker may hold at its peak, for the largest of ``models`` ((checkpoint path, precision))."""
-    return max((int(checkpoint_parameters(path) * _BYTES_PER_PARAMETER.get(precision, 8.0)) for path, precision
+    return max((int(checkpoint_parameters(path) * _BYTES_PER_PARAMETER.get(precision, 6.0)) for path, precision
                 in models), default=0) + WORKER_OVERHEAD
 
 
