@@ -252,8 +252,9 @@ def run_batch(parser: argparse.ArgumentParser, args: Any) -> int:
                          "the changed job another --out")
         groups: dict[tuple[str, str, int], list[tuple[JobLine, int, int, list]]] = {}
         total = done_before = 0
+        seeds = manifest.seeds(lines)
         for line in lines:
-            seed = manifest.seed(line)
+            seed = seeds[line.number]
             images = planned_images(line, seed)
             total += len(images)
             for batch in range(line.batch_count):

@@ -135,8 +135,8 @@ class Manifest:
             except OSError as exc:
                 logger.warning("could not remove %s, left by a stopped run: %s", leftover, exc)
 
-    def _append(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+    def _append(self, *records: dict[str, Any]) -> None:
+        self._file.write("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
         self._file.flush()
         os.fsync(self._file.fileno())
 
@@ -153,17 +153,25 @@ class Manifest:
             changed.append(f"line {line.number}: " + ("; ".join(differ) or "changed"))
         return changed
 
-    def seed(self, line: JobLine, rng: random.Random | None = None) -> int:
-        """The line's seed: the one recorded, else its own, else (-1) a random one; recorded before returning."""
-        before = self.lines.get(line.number)
-        if before is not None and before["fingerprint"] == line.fingerprint:
-            return int(before["seed"])
-        seed = line.seed if line.seed != -1 else (rng or random.SystemRandom()).randrange(MAX_SEED - line.images)
-        record = {"kind": "line", "line": line.number, "fingerprint": line.fingerprint, "seed": seed,
-                  "fields": line.fields()}
-        self._append(record)
-        self.lines[line.number] = record
-        return seed
+    def seeds(self, lines: list[JobLine], rng: random.Random | None = None) -> dict[int, int]:
+        """Every line's seed (line number -> seed): the one recorded, else its own, else (-1) a random one. The
+        lines not recorded yet are recorded, in one write, before this returns."""
+        draw = rng or random.SystemRandom()
+        seeds: dict[int, int] = {}
+        new: list[dict[str, Any]] = []
+        for line in lines:
+            before = self.lines.get(line.number)
+            if before is not None and before["fingerprint"] == line.fingerprint:
+                seeds[line.number] = int(before["seed"])
+                continue
+            seed = line.seed if line.seed != -1 else draw.randrange(MAX_SEED - line.images)
+            new.append({"kind": "line", "line": line.number, "fingerprint": line.fingerprint, "seed": seed,
+                        "fields": line.fields()})
+            seeds[line.number] = seed
+        if new:
+            self._append(*new)
+            self.lines.update((record["line"], record) for record in new)
+        return seeds
 
     def done(self, image: PlannedImage) -> bool:
         """Whether ``image`` is complete on disk, as recorded."""
