@@ -59,6 +59,10 @@ class BackendChoice:
     threads: int | None = None
     """The threads OpenVINO runs each inference on (``INFERENCE_NUM_THREADS``); None: the plugin's choice (every
     core the process may use). A worker of a batch run sets its share of the cores."""
+    cpu_pinning: bool | None = None
+    """Whether the CPU plugin pins its threads to cores (``ENABLE_CPU_PINNING``); None: the plugin's default (it
+    pins, within the cores the process may use). False where several processes share cores the plugin cannot
+    tell apart (a Ray worker: each would pin its threads to the same first cores)."""
 
     @property
     def quantized(self) -> bool:
@@ -78,8 +82,13 @@ class BackendChoice:
             options["cache_dir"] = self.cache_dir
         if self.cache_max_bytes is not None:
             options["cache_max_bytes"] = self.cache_max_bytes
+        config = {}
         if self.threads is not None:
-            options["config"] = {"INFERENCE_NUM_THREADS": str(self.threads)}
+            config["INFERENCE_NUM_THREADS"] = str(self.threads)
+        if self.cpu_pinning is not None:
+            config["ENABLE_CPU_PINNING"] = "YES" if self.cpu_pinning else "NO"
+        if config:
+            options["config"] = config
         return options
 
 

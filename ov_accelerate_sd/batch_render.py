@@ -42,6 +42,9 @@ class RenderOptions:
     step_cache_end: int = 1
     threads: int | None = None
     """OpenVINO's and PyTorch's threads for this renderer (None: all cores); set in a worker process."""
+    cpu_pinning: bool | None = None
+    """Whether OpenVINO pins its threads to cores (None: its default); off in a Ray worker, which shares the node's
+    cores with other workers without knowing which are its own."""
     lora_dirs: tuple[str, ...] = ()
     """Folders of the LoRA files prompts name; empty: the WebUI's ``models/Lora`` beside each checkpoint."""
     demo_folder: str | None = field(default=None, compare=False)
@@ -61,6 +64,8 @@ class RenderOptions:
             options["cache_dir"] = self.cache_dir
         if self.threads is not None:
             options["threads"] = self.threads
+        if self.cpu_pinning is not None:
+            options["cpu_pinning"] = self.cpu_pinning
         return build_sd_settings(options)
 
 

@@ -45,11 +45,14 @@ class SDSettings:
     """Step caching of the UNet (DeepCache; off by default): its interval, depth and full steps."""
     threads: int | None = None
     """OpenVINO's threads per inference (``BackendChoice.threads``); None: every core the process may use."""
+    cpu_pinning: bool | None = None
+    """Whether the CPU plugin pins its threads to cores (``BackendChoice.cpu_pinning``); None: its default."""
 
     def backend_choice(self) -> BackendChoice:
         """The backend these settings choose (see :class:`~.backends.Backends`)."""
         return BackendChoice(device=self.device, precision=self.precision, model_caching=self.model_caching,
-                             cache_dir=self.cache_dir, cache_max_bytes=self.cache_max_bytes, threads=self.threads)
+                             cache_dir=self.cache_dir, cache_max_bytes=self.cache_max_bytes, threads=self.threads,
+                             cpu_pinning=self.cpu_pinning)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SDSettings))
@@ -89,6 +92,8 @@ def build_sd_settings(options: Mapping[str, Any] | None = None) -> SDSettings:
     if settings.threads is not None and (isinstance(settings.threads, bool) or not isinstance(settings.threads, int)
                                          or settings.threads < 1):
         raise ValueError(f"threads must be a whole number >= 1 or None, got {settings.threads!r}")
+    if settings.cpu_pinning not in (None, True, False):
+        raise ValueError(f"cpu_pinning must be True, False or None, got {settings.cpu_pinning!r}")
     if settings.prediction_type not in (None, "epsilon", "v_prediction"):
         raise ValueError(
             f"prediction_type must be 'epsilon', 'v_prediction' or None, got {settings.prediction_type!r}"

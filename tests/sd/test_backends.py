@@ -110,3 +110,16 @@ def test_eight_bit_weights_are_for_the_unet_and_the_text_encoders_not_the_vae() 
         "int8-weights", "int8-weights", "auto"]
     assert [part_precision(part, "int8") for part in ("unet", "text_encoder", "vae")] == ["int8", "auto", "auto"]
     assert [part_precision(part, "f32") for part in ("unet", "text_encoder", "vae")] == ["f32"] * 3
+
+
+def test_a_workers_threads_and_pinning_reach_the_plugins_config(tmp_path: Any) -> None:
+    from ov_accelerate_sd.settings import build_sd_settings
+
+    assert "config" not in CHOICE.options()  # by default the plugin chooses
+    choice = build_sd_settings({"threads": 3, "cpu_pinning": False, "cache_dir": str(tmp_path)}).backend_choice()
+    assert choice.options()["config"] == {"INFERENCE_NUM_THREADS": "3", "ENABLE_CPU_PINNING": "NO"}
+    backend = Backends().backend(choice)  # ov_backend takes them as they are
+    assert dict(backend.settings.config) == {"INFERENCE_NUM_THREADS": "3", "ENABLE_CPU_PINNING": "NO"}
+    for bad in ({"threads": 0}, {"threads": True}, {"cpu_pinning": "no"}):
+        with pytest.raises(ValueError):
+            build_sd_settings(bad)
