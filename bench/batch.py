@@ -174,13 +174,19 @@ def psnr(a: str, b: str) -> float:
     return 99.0 if mse == 0 else round(float(10 * np.log10(255**2 / mse)), 1)
 
 
+#: Images a mode renders at once (its steady rate is counted after its first round of them).
+PARALLEL = {"workers2": 2, "ray2": 2}
+
+
 def summarize(result: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
-    came = result.pop("came")
-    images = len(came)
-    row = {**result, "count": images,
+    came = [round(t, 1) for t in result.pop("came")]
+    images, at_once = len(came), PARALLEL.get(result["mode"], 1)
+    row = {**result, "count": images, "came": came, "at_once": at_once,
            "per_minute": round(images * 60 / result["seconds"], 2) if result["seconds"] else None,
-           "first_image_seconds": round(came[0], 1) if came else None,
-           "per_minute_after_first": round((images - 1) * 60 / (came[-1] - came[0]), 2) if images > 1 else None}
+           "first_image_seconds": came[0] if came else None,
+           # after the first round (the first image of each worker: loads and compiles), until the last
+           "per_minute_after_first": round((images - at_once) * 60 / (came[-1] - came[at_once - 1]), 2)
+           if images > at_once and came[-1] > came[at_once - 1] else None}
     if reference is not None and result["mode"] != "cli" and "images" in reference:
         pairs = list(zip(result["images"], reference["images"]))
         row["psnr_vs_cli"] = min(psnr(a, b) for a, b in pairs) if pairs else None
@@ -197,9 +203,10 @@ def markdown(results: dict[str, Any]) -> str:
              f"BF16 {' '.join(cpu['BF16']) if cpu.get('BF16') else 'no'}; memory "
              f"{results['machine'].get('memory_gib')} GiB, {results['available_gib_at_start']} available",
              f"- Job: {s['images']} images of {s['size']}x{s['size']}, {s['steps']} steps Euler a, CFG 7, seeds "
-             f"1000..., precision {s['precision']}, model {s['model']}; disk cache cold for the first mode, warm after",
-             "", "| mode | seconds | images/min (whole job) | first image (s) | images/min after it | memory in use, "
-             "peak (GiB) | PSNR vs cli (dB, lowest) |", "|---|---|---|---|---|---|---|"]
+             f"1000..., precision {s['precision']}, model {s['model']}; the command-line modes share one disk "
+             "cache, cold for the first of them; the WebUI modes start with a cold one of their own",
+             "", "| mode | seconds | images/min (whole job) | first image (s) | images/min after the first round | "
+             "memory in use, peak (GiB) | PSNR vs cli (dB, lowest) |", "|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         if "error" in row:
             lines.append(f"| {row['mode']} | error: {row['error'][:200]} | | | | | |")
