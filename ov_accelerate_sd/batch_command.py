@@ -88,14 +88,21 @@ def _defaults(parser: argparse.ArgumentParser, args: Any) -> dict[str, Any]:
     }
 
 
-def _check_loras(line: JobLine, lora_dirs: list[Path]) -> None:
-    """ValueError when a ``<lora:...>`` tag of the line's prompt is malformed or names no file."""
-    from .lora import find_lora, parse_prompt_loras, webui_lora_dirs
+def _check_loras(line: JobLine, lora_dirs: list[Path], listings: dict[tuple[str, ...], set[str]]) -> None:
+    """ValueError when a ``<lora:...>`` tag of the line's prompt is malformed or names no file. ``listings`` keeps
+    each folder set's LoRA names, so a job of many lines lists its folders once."""
+    from .lora import find_lora, lora_files, parse_prompt_loras, webui_lora_dirs
 
     _, refs = parse_prompt_loras(line.prompt)
+    if not refs:
+        return
     folders = lora_dirs or (webui_lora_dirs(line.checkpoint) if line.checkpoint else [])
+    key = tuple(map(str, folders))
+    if key not in listings:
+        listings[key] = set(lora_files(folders))
     for ref in refs:
-        find_lora(ref.name, folders)
+        if ref.name not in listings[key]:
+            find_lora(ref.name, folders)  # raises, saying what is there
 
 
 def read_job(parser: argparse.ArgumentParser, args: Any) -> list[JobLine]:
@@ -109,10 +116,12 @@ def read_job(parser: argparse.ArgumentParser, args: Any) -> list[JobLine]:
         parser.error(f"{path}: a job file is JSONL (one JSON object a line) and ends in .jsonl; for a plain list "
                      "of prompts, one a line, use --prompts-file")
 
+    listings: dict[tuple[str, ...], set[str]] = {}
+
     def resolve(number: int, values: Any) -> JobLine:
         line = resolve_line(number, values, defaults, path.absolute().parent,
                             lambda name: sampler_spec(name).name, _checkpoint_problem, _image_problem)
-        _check_loras(line, args.lora_dir)
+        _check_loras(line, args.lora_dir, listings)
         return line
 
     try:

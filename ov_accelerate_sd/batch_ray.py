@@ -22,7 +22,7 @@ from typing import Any
 
 from ov_backend.files import format_bytes
 
-from .batch_render import BatchRenderer, RenderOptions
+from .batch_render import BatchRenderer, RenderOptions, summed
 
 logger = logging.getLogger(__name__)
 
@@ -136,11 +136,8 @@ class RayCluster:
         say(f"Ray cluster at {address}: {cpus} CPU(s), {self.count} worker(s) of {cpus_per_worker} CPU(s)")
 
     def stats(self) -> dict[str, float]:
-        total: dict[str, float] = {}
-        for stats in self.worker_stats.values():
-            for key, value in stats.items():
-                total[key] = total.get(key, 0.0) + value
-        return total
+        """Every worker's counters, summed."""
+        return summed(self.worker_stats.values())
 
     def run(self, tasks: list[Any], on_result: Callable[[Any, list[Any]], None], should_stop: Callable[[], bool],
             on_error: Callable[[Any, BaseException], bool]) -> None:

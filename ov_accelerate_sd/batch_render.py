@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,15 @@ class RenderOptions:
         if self.cpu_pinning is not None:
             options["cpu_pinning"] = self.cpu_pinning
         return build_sd_settings(options)
+
+
+def summed(counters: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Counters (backend stats of several routings or workers) added up by name."""
+    total: dict[str, float] = {}
+    for one in counters:
+        for key, value in one.items():
+            total[key] = total.get(key, 0.0) + float(value)
+    return total
 
 
 def job_for(line: JobLine, seed: int, init_images: dict[str, Any] | None = None) -> Any:
@@ -135,8 +144,7 @@ class BatchRenderer:
     def _unroute(self) -> None:
         if self._accelerator is not None:
             self.reports += [report.summary() for report in self._accelerator.backends.reports()]
-            for key, value in self._counters(self._accelerator).items():
-                self.backend_stats[key] = self.backend_stats.get(key, 0.0) + value
+            self.backend_stats = summed([self.backend_stats, self._counters(self._accelerator)])
             self._accelerator.restore()
         self._accelerator = self._generator = None
         self._setup = None
@@ -211,11 +219,8 @@ class BatchRenderer:
 
     def stats(self) -> dict[str, float]:
         """The backend counters of every routing so far, the current one included, summed."""
-        stats = dict(self.backend_stats)
-        if self._accelerator is not None:
-            for key, value in self._counters(self._accelerator).items():
-                stats[key] = stats.get(key, 0.0) + value
-        return stats
+        current = [self._counters(self._accelerator)] if self._accelerator is not None else []
+        return summed([self.backend_stats, *current])
 
     def eager_report(self) -> str | None:
         """Which parts' calls ran in plain PyTorch, and why (the current routing), or None."""

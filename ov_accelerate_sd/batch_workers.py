@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import json
 import logging
 import multiprocessing
 import os
 import signal
-import struct
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ov_backend.files import format_bytes
 
-from .batch_render import BatchRenderer, RenderOptions
+from .batch_render import BatchRenderer, RenderOptions, summed
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +52,15 @@ def usable_cores() -> list[int]:
 
 def checkpoint_parameters(path: str) -> int:
     """The number of values in a checkpoint (from a safetensors header; else its file size over 2)."""
+    import math
+
+    from .checkpoint import CheckpointError, safetensors_header
+
     if path.lower().endswith(".safetensors"):
         try:
-            with open(path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-            total = 0
-            for name, info in header.items():
-                if name != "__metadata__":
-                    count = 1
-                    for n in info.get("shape", []):
-                        count *= int(n)
-                    total += count
-            return total
-        except (OSError, ValueError, struct.error):
+            return sum(math.prod(int(n) for n in info.get("shape", [])) for info in
+                       safetensors_header(Path(path))[1].values())
+        except CheckpointError:
             pass
     return os.path.getsize(path) // 2
 
@@ -195,11 +189,7 @@ class WorkerPool:
 
     def stats(self) -> dict[str, float]:
         """Every worker's counters, summed."""
-        total: dict[str, float] = {}
-        for stats in self.worker_stats.values():
-            for key, value in stats.items():
-                total[key] = total.get(key, 0.0) + value
-        return total
+        return summed(self.worker_stats.values())
 
     def run(self, tasks: list[Any], on_result: Callable[[Any, list[Any]], None], should_stop: Callable[[], bool],
             on_error: Callable[[Any, BaseException], bool]) -> None:

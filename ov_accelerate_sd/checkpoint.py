@@ -52,11 +52,7 @@ class Checkpoint:
     """The safetensors metadata (empty for pickles)."""
 
 
-def _check_safetensors_header(path: Path) -> dict[str, str]:
-    return _safetensors_header(path)[0]
-
-
-def _safetensors_header(path: Path) -> tuple[dict[str, str], dict[str, dict]]:
+def safetensors_header(path: Path) -> tuple[dict[str, str], dict[str, dict]]:
     """(metadata, tensor name -> {"dtype", "shape", "data_offsets"}) of a safetensors file, checked."""
     size = path.stat().st_size
     with path.open("rb") as f:
@@ -119,7 +115,7 @@ def load_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
         raise CheckpointError(path, "no such file")
     suffix = path.suffix.lower()
     if suffix == ".safetensors":
-        metadata = _check_safetensors_header(path)
+        metadata = safetensors_header(path)[0]
         try:
             return load_file(str(path), device="cpu"), metadata
         except Exception as exc:  # safetensors raises its own error type for damaged files
@@ -185,7 +181,7 @@ def check_checkpoint_file(path: str | os.PathLike) -> str | None:
         raise CheckpointError(path, "no such file")
     suffix = path.suffix.lower()
     if suffix == ".safetensors":
-        _, tensors = _safetensors_header(path)
+        _, tensors = safetensors_header(path)
         return detect_family(path, {k: _Shape(v.get("shape", [])) for k, v in tensors.items()})  # type: ignore[misc]
     if suffix in (".ckpt", ".pt", ".pth", ".bin"):
         return None

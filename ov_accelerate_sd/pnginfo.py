@@ -126,12 +126,7 @@ def save_png(image: Image.Image, path: str | os.PathLike, infotext: str) -> Path
     Raises:
         OSError: the PNG could not be written (folder missing or not writable, disk full, ...).
     """
-    path = Path(path)
-    info = PngInfo()
-    info.add_text(PNG_KEY, infotext)
-    with atomic_path(path) as tmp:
-        image.save(tmp, format="PNG", pnginfo=info)
-    return path
+    return write_png_bytes(png_bytes(image, infotext), path)
 
 
 def png_bytes(image: Image.Image, infotext: str) -> bytes:

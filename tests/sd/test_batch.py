@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +215,7 @@ def test_bad_lines_are_listed_with_their_numbers_and_nothing_renders(tmp_path: P
         {"prompt": "x", "precision": "fp8"},
         {"negative_prompt": "no prompt"},
         {"prompt": "x", "init_image": "nowhere.png"},
+        {"prompt": "x <lora:nowhere:1>"},
     ])
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as info:
@@ -233,11 +234,12 @@ def test_bad_lines_are_listed_with_their_numbers_and_nothing_renders(tmp_path: P
         11: "unknown precision 'fp8'; valid: auto, f32",
         12: "prompt is empty",
         13: "init_image nowhere.png: no such file",
+        14: "no LoRA named 'nowhere'",
     }
     for number, message in expected.items():
         assert any(row.startswith(f"{jobs}:{number}: ") and message in row for row in err.splitlines()), (number, err)
     assert f"{jobs}:1:" not in err
-    assert "11 bad line(s)" in err and "--skip-bad" in err
+    assert "12 bad line(s)" in err and "--skip-bad" in err
     assert not out.exists()
 
 
@@ -322,6 +324,26 @@ def worker_pids(parent: int) -> list[int]:
     return found
 
 
+def kill_a_worker_at_the_first_image(proc: subprocess.Popen, find: Callable[[], list[int]]) -> tuple[int, str, str]:
+    """Read a run's output; at its first image, SIGKILL one of the two workers ``find`` returns (waiting up to a
+    minute for both). Returns (the killed pid, stdout, stderr) once the run ended."""
+    seen: list[str] = []
+    killed = None
+    for row in proc.stdout:
+        seen.append(row)
+        if row.startswith("[1/6]") and killed is None:
+            deadline = time.monotonic() + 60
+            while len(workers := find()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert len(workers) == 2, seen
+            killed = workers[0]
+            os.kill(killed, signal.SIGKILL)
+    stderr = proc.stderr.read()
+    proc.wait(timeout=900)
+    assert killed is not None, seen
+    return killed, "".join(seen), stderr
+
+
 def psnr(a: bytes, b: bytes) -> float:
     import io
 
@@ -337,18 +359,7 @@ def test_two_workers_with_one_killed_mid_job_make_every_image_once(one_go: tuple
     reference, cache = one_go
     out = tmp_path / "out"
     proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--workers", "2")
-    seen = []
-    killed = None
-    for row in proc.stdout:
-        seen.append(row)
-        if row.startswith("[1/6]") and killed is None:
-            workers = worker_pids(proc.pid)
-            assert len(workers) == 2, seen
-            killed = workers[0]
-            os.kill(killed, signal.SIGKILL)
-    stdout = "".join(seen)
-    stderr = proc.stderr.read()
-    proc.wait(timeout=900)
+    _, stdout, stderr = kill_a_worker_at_the_first_image(proc, lambda: worker_pids(proc.pid))
     assert proc.returncode == 0, stderr
     assert "2 workers (2 requested)" in stdout
     assert "a worker process ended unexpectedly" in stdout and "go to new workers" in stdout
@@ -422,19 +433,7 @@ def test_a_ray_cluster_of_two_workers_with_one_killed_makes_every_image_once(
     # By address, a driver shows the cluster's token (Ray's default authentication; docs/batch.md)
     proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--ray", cluster,
                  "--ray-cpus-per-worker", "1", RAY_AUTH_MODE="token")
-    seen, killed = [], None
-    for row in proc.stdout:
-        seen.append(row)
-        if row.startswith("[1/6]") and killed is None:
-            deadline = time.monotonic() + 60
-            while len(workers := ray_workers()) < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert len(workers) == 2, seen
-            killed = workers[0]
-            os.kill(killed, signal.SIGKILL)
-    stdout = "".join(seen)
-    stderr = proc.stderr.read()
-    proc.wait(timeout=900)
+    killed, stdout, stderr = kill_a_worker_at_the_first_image(proc, ray_workers)
     assert proc.returncode == 0, stdout + stderr
     assert f"Ray cluster at {cluster}: 2 CPU(s), 2 worker(s) of 1 CPU(s)" in stdout
     assert killed not in ray_workers()
