@@ -63,6 +63,11 @@ class BackendChoice:
     """Whether the CPU plugin pins its threads to cores (``ENABLE_CPU_PINNING``); None: the plugin's default (it
     pins, within the cores the process may use). False where several processes share cores the plugin cannot
     tell apart (a Ray worker: each would pin its threads to the same first cores)."""
+    shared_shapes: str | None = None
+    """Whether one model compiled for every shape serves them (``ov_backend`` option ``shared_shapes``: "auto",
+    "always", "never"); None: ov_backend's default ("auto", which depends on the shapes run before). A batch run
+    takes "never": a size's picture then never depends on which sizes ran before it (a run resumed after a kill
+    gives the same bytes as one run in one go)."""
 
     @property
     def quantized(self) -> bool:
@@ -82,6 +87,8 @@ class BackendChoice:
             options["cache_dir"] = self.cache_dir
         if self.cache_max_bytes is not None:
             options["cache_max_bytes"] = self.cache_max_bytes
+        if self.shared_shapes is not None:
+            options["shared_shapes"] = self.shared_shapes
         config = {}
         if self.threads is not None:
             config["INFERENCE_NUM_THREADS"] = str(self.threads)

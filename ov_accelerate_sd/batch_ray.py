@@ -105,11 +105,11 @@ class RayCluster:
         try:
             ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=True, ignore_reinit_error=True)
-        except ConnectionError as exc:
-            raise ConnectionError(f"--ray {address}: no Ray cluster answered ({exc}). Start one with 'ray start "
-                                  "--head'; to reach one by its address under Ray's token authentication (its "
-                                  "default), set RAY_AUTH_MODE=token with the cluster's token in ~/.ray/auth_token "
-                                  "or RAY_AUTH_TOKEN (docs/batch.md)") from None
+        except (ConnectionError, getattr(ray.exceptions, "AuthenticationError", ConnectionError)) as exc:
+            raise ConnectionError(f"--ray {address}: no Ray cluster answered ({str(exc).splitlines()[0]}). Start "
+                                  "one with 'ray start --head'; to reach one that uses token authentication by "
+                                  "its address, set RAY_AUTH_MODE=token with the cluster's token in "
+                                  "~/.ray/auth_token or RAY_AUTH_TOKEN (docs/batch.md)") from None
         resources = ray.cluster_resources()
         cpus, memory = int(resources.get("CPU", 0)), int(resources.get("memory", 0))
         by_cpu = cpus // cpus_per_worker

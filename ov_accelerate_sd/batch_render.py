@@ -59,6 +59,9 @@ class RenderOptions:
             "cache_max_bytes": self.cache_max_bytes, "accelerate": self.accelerate,
             "step_cache": {"interval": step_cache, "depth": self.step_cache_depth,
                            "full_start": self.step_cache_start, "full_end": self.step_cache_end},
+            # one model per size: what a size renders never depends on the sizes before it (a resumed run gives
+            # the bytes of a run in one go), and a size of its own is the CPU's fastest per step
+            "shared_shapes": "never",
         }
         if self.cache_dir is not None:
             options["cache_dir"] = self.cache_dir

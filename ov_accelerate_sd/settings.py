@@ -47,12 +47,15 @@ class SDSettings:
     """OpenVINO's threads per inference (``BackendChoice.threads``); None: every core the process may use."""
     cpu_pinning: bool | None = None
     """Whether the CPU plugin pins its threads to cores (``BackendChoice.cpu_pinning``); None: its default."""
+    shared_shapes: str | None = None
+    """One compiled model for every shape or one per shape (``BackendChoice.shared_shapes``); None: the backend's
+    default."""
 
     def backend_choice(self) -> BackendChoice:
         """The backend these settings choose (see :class:`~.backends.Backends`)."""
         return BackendChoice(device=self.device, precision=self.precision, model_caching=self.model_caching,
                              cache_dir=self.cache_dir, cache_max_bytes=self.cache_max_bytes, threads=self.threads,
-                             cpu_pinning=self.cpu_pinning)
+                             cpu_pinning=self.cpu_pinning, shared_shapes=self.shared_shapes)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SDSettings))
@@ -94,6 +97,8 @@ def build_sd_settings(options: Mapping[str, Any] | None = None) -> SDSettings:
         raise ValueError(f"threads must be a whole number >= 1 or None, got {settings.threads!r}")
     if settings.cpu_pinning not in (None, True, False):
         raise ValueError(f"cpu_pinning must be True, False or None, got {settings.cpu_pinning!r}")
+    if settings.shared_shapes not in (None, "auto", "always", "never"):
+        raise ValueError(f"shared_shapes must be 'auto', 'always', 'never' or None, got {settings.shared_shapes!r}")
     if settings.prediction_type not in (None, "epsilon", "v_prediction"):
         raise ValueError(
             f"prediction_type must be 'epsilon', 'v_prediction' or None, got {settings.prediction_type!r}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -340,7 +341,7 @@ def kill_a_worker_at_the_first_image(proc: subprocess.Popen, find: Callable[[], 
             os.kill(killed, signal.SIGKILL)
     stderr = proc.stderr.read()
     proc.wait(timeout=900)
-    assert killed is not None, seen
+    assert killed is not None, "".join(seen) + stderr
     return killed, "".join(seen), stderr
 
 
@@ -398,16 +399,19 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    """A local Ray cluster of 2 CPUs (``ray start --head``), its address; stopped afterwards."""
+def cluster() -> Iterator[tuple[str, dict[str, str]]]:
+    """A local Ray cluster of 2 CPUs (``ray start --head``) with token authentication (a token of its own, given to
+    Ray in ``RAY_AUTH_TOKEN``, as docs/batch.md says to start one): its address and the environment a driver needs
+    to reach it. Stopped afterwards."""
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # a short path: Ray's sockets live under it
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **auth)
     subprocess.run([str(RAY), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
                     "--disable-usage-stats", f"--temp-dir={temp}"], env=env, check=True, capture_output=True,
                    timeout=300)
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", auth
     finally:
         subprocess.run([str(RAY), "stop", "--force"], env=env, capture_output=True, timeout=300)
 
@@ -427,15 +431,17 @@ def ray_workers() -> list[int]:
 @pytest.mark.skipif(not HAVE_RAY or not sys.platform.startswith("linux"),
                     reason="the optional extra requirements-ray.txt, and /proc")
 def test_a_ray_cluster_of_two_workers_with_one_killed_makes_every_image_once(
-        cluster: str, one_go: tuple[Path, Path], mixed_job: Path, sd1_checkpoint: Path, tmp_path: Path) -> None:
+        cluster: tuple[str, dict[str, str]], one_go: tuple[Path, Path], mixed_job: Path, sd1_checkpoint: Path,
+        tmp_path: Path) -> None:
     reference, cache = one_go
+    address, auth = cluster
     out = tmp_path / "out"
-    # By address, a driver shows the cluster's token (Ray's default authentication; docs/batch.md)
-    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--ray", cluster,
-                 "--ray-cpus-per-worker", "1", RAY_AUTH_MODE="token")
+    # a driver that names the address shows the cluster's token (docs/batch.md)
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--ray", address,
+                 "--ray-cpus-per-worker", "1", **auth)
     killed, stdout, stderr = kill_a_worker_at_the_first_image(proc, ray_workers)
     assert proc.returncode == 0, stdout + stderr
-    assert f"Ray cluster at {cluster}: 2 CPU(s), 2 worker(s) of 1 CPU(s)" in stdout
+    assert f"Ray cluster at {address}: 2 CPU(s), 2 worker(s) of 1 CPU(s)" in stdout
     assert killed not in ray_workers()
     made, expected = pngs(out), pngs(reference)
     assert sorted(made) == sorted(expected)
@@ -444,6 +450,20 @@ def test_a_ray_cluster_of_two_workers_with_one_killed_makes_every_image_once(
     assert min(psnr(made[name], expected[name]) for name in made) > 60
     # the killed worker's batch ran again on the worker Ray started in its place
     assert "6 image(s) rendered" in stdout
+
+
+@pytest.mark.skipif(not HAVE_RAY, reason="the optional extra requirements-ray.txt")
+def test_a_driver_without_the_clusters_token_is_told_how_to_give_it(
+        cluster: tuple[str, dict[str, str]], mixed_job: Path, sd1_checkpoint: Path, tmp_path: Path) -> None:
+    address, _ = cluster
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "no-token-here")}
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, tmp_path / "cache", tmp_path / "out"),
+                 "--ray", address, **env)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stdout + stderr
+    assert f"--ray {address}: no Ray cluster answered" in stderr and "RAY_AUTH_TOKEN" in stderr, stderr
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.png"))
 
 
 def test_without_ray_the_option_says_how_to_install_it(tmp_path: Path, sd1_checkpoint: Path, monkeypatch,
