@@ -40,6 +40,11 @@ class Loaded:
         callbacks.on_model_loaded(self.extension.on_model_loaded)
         callbacks.on_cfg_denoiser(self.extension.on_cfg_denoiser)
         callbacks.on_script_unloaded(self.extension.unload)
+        from .weights_at_load import install
+
+        uninstall = install(self.extension)
+        if uninstall is not None:
+            callbacks.on_script_unloaded(uninstall)
         callbacks.on_app_started(lambda _demo, app: add_routes(app, self.extension))
         callbacks.on_before_ui(lambda: register_axes(self.extension))
 

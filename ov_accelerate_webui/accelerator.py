@@ -31,11 +31,11 @@ from ov_accelerate_sd.backends import BackendChoice, Backends, Mark
 from ov_accelerate_sd.parts import VARYING_DIMS
 from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheSettings
 
-from .backend_bridge import BackendApi, ov_backend
+from .backend_bridge import BackendApi
 from .compiled_route import CompiledRoute, compile_route, f32_route, make_forward
 from .finite_guard import F32Switch
 from .lora import LoraChange, LoraHook
-from .model_parts import PYTORCH_CHECKS, Target, checkpoint_key, checkpoint_label, find_targets
+from .model_parts import PYTORCH_CHECKS, Target, checkpoint_key, find_targets
 from .routing import Route, mark_ours
 from .settings import AccelerateSettings
 
@@ -288,16 +288,10 @@ class Accelerator:
                 self._switch_to(model, ckpt)
             self.backends.drop_resident_weights()
 
-    def place_weights(self, model: Any, settings: AccelerateSettings | None, default_cache_dir: str) -> Any:
-        """As A1111 loads ``model``: move the weights of the parts the last generation routed (``settings``' when
-        given) into the weight file now, not at their first build (:mod:`.weights_at_load`); the tensors keep their
-        identity and values. Returns the ``ov_backend.MoveResult``; None when the weights stay in memory
-        (``weights_in_file`` off, or no settings and no generation since the last reset).
-
-        Raises:
-            UnsupportedModel: the model cannot be accelerated.
-            ValueError: ov_backend refused the settings.
-        """
+    def load_target(self, settings: AccelerateSettings | None,
+                     default_cache_dir: str) -> tuple[AccelerateSettings, Any] | None:
+        """The settings a checkpoint load serves (``settings``, else the last generation's) and their weight file;
+        None when the weights stay in memory."""
         with self._lock:
             last = self._last
         if settings is not None:
@@ -307,23 +301,12 @@ class Accelerator:
         else:
             return None
         weight_file = self.backends.weight_file(choice)
-        if weight_file is None:
-            return None
-        tensors: dict[int, torch.Tensor] = {}
-        for target in find_targets(model, settings.parts):
-            for t in (*target.module.parameters(), *target.module.buffers()):
-                tensors.setdefault(id(t), t)
-        result = weight_file.place(list(tensors.values()))
-        size = ov_backend.format_bytes
-        if result.moved_bytes:
-            note = (f"At the checkpoint load ({checkpoint_label(model)}), {size(result.moved_bytes)} of PyTorch's "
-                    f"weights moved into the weight file ({result.seconds:.1f} s), before this generation.")
-            logger.info("Accelerate with OpenVINO: %s", note)
-            with self._lock:
-                self._load_notes.append(note)
-        for why, nbytes in result.kept_bytes.items():
-            logger.warning("Accelerate with OpenVINO: %s of PyTorch's weights stay in memory: %s", size(nbytes), why)
-        return result
+        return None if weight_file is None else (settings, weight_file)
+
+    def add_load_note(self, note: str) -> None:
+        """A line for the next generation's status about a checkpoint load (:mod:`.weights_at_load`)."""
+        with self._lock:
+            self._load_notes.append(note)
 
     def used_settings(self) -> AccelerateSettings | None:
         """The settings of the last generation prepared since the last reset (None: none)."""

@@ -60,11 +60,15 @@ class Extension:
                 self._api = self._load_api()
             return self._api
 
+    def made_accelerator(self) -> Accelerator | None:
+        """The accelerator if one was made (:meth:`accelerator` makes it)."""
+        return self._accelerator
+
     def accelerator(self) -> Accelerator:
         """The accelerator (created on first use). Raises BackendUnavailable."""
         with self._lock:
             if self._accelerator is None:
-                self._accelerator = Accelerator(self.api(), notify=_set_textinfo)
+                self._accelerator = Accelerator(self.api(), notify=lambda text: setattr(host.state(), "textinfo", text))
             return self._accelerator
 
     def device_choices(self) -> list[tuple[str, str]]:
@@ -393,7 +397,3 @@ class Extension:
             if self._accelerator is not None:
                 self._accelerator.reset()
             self.ready.clear()
-
-
-def _set_textinfo(text: str | None) -> None:
-    host.state().textinfo = text

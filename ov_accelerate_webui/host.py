@@ -122,3 +122,23 @@ def attention_optimizers() -> tuple[list[Any], Any]:
     if module is None:
         return [], None
     return list(getattr(module, "optimizers", []) or []), getattr(module, "current_optimizer", None)
+
+
+def sd_models() -> ModuleType | None:
+    """``modules.sd_models`` if it is imported already (never imports it), else None."""
+    return sys.modules.get("modules.sd_models")
+
+
+def load_precision_change() -> str | None:
+    """What A1111's checkpoint load will do to the weights' precision after reading them, when it is more than
+    ``model.float()`` (``--no-half``): the reason a load cannot write them at f32 as they are read; None with
+    ``--no-half`` and neither fp8 nor channels-last."""
+    cmd_opts = getattr(shared(), "cmd_opts", None)
+    if not getattr(cmd_opts, "no_half", False):
+        return "without --no-half A1111 converts the weights to float16 after reading them"
+    if getattr(cmd_opts, "opt_channelslast", False):
+        return "--opt-channelslast copies the weights after they load"
+    devices = sys.modules.get("modules.devices")
+    if getattr(devices, "fp8", False):
+        return "FP8 weight storage converts the weights after they load"
+    return None

@@ -12,33 +12,223 @@ build as before.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from . import host
 from .accelerator import Accelerator
-from .backend_bridge import BackendUnavailable
-from .model_parts import UnsupportedModel, checkpoint_label
+from .backend_bridge import BackendUnavailable, ov_backend
+from .model_parts import UnsupportedModel, checkpoint_label, find_targets
 from .options import read_options
+from .settings import AccelerateSettings
 
 logger = logging.getLogger(__name__)
 
 
-def place(model: Any, existing: Accelerator | None, make: Callable[[], Accelerator]) -> Any:
-    """After A1111 loaded ``model`` (its ``model_loaded`` callback, outside a generation): move the weights of the
-    parts acceleration will route into the weight file (``Accelerator.place_weights``). ``existing``: the
-    accelerator if one was made; ``make`` makes it (only with "Enable for every generation" on). Returns the
-    ``ov_backend.MoveResult``, or None when nothing was to move."""
+def in_use(existing: Accelerator | None, make: Callable[[], Accelerator]) -> tuple[Accelerator, Any] | None:
+    """Whether a checkpoint loading now serves acceleration: (the accelerator, the panel's settings when no
+    generation since the last reset says which parts), or None (weights in a file off, or acceleration not in
+    use). ``existing``: the accelerator if one was made; ``make`` makes it (only with "Enable for every generation"
+    on).
+
+    Raises:
+        BackendUnavailable: the accelerator could not be made.
+    """
     options = read_options()
-    if not options.weights_in_file or model is None:
+    if not options.weights_in_file:
         return None
     used = existing.used_settings() if existing is not None else None
     if used is None and not options.enable_always:
         return None
+    return (existing if existing is not None else make()), (None if used is not None else options.panel)
+
+
+def place(model: Any, existing: Accelerator | None, make: Callable[[], Accelerator]) -> Any:
+    """After A1111 loaded ``model`` (its ``model_loaded`` callback, outside a generation): move the weights of the
+    parts acceleration will route into the weight file (:func:`move_weights`); those the load wrote there
+    already (:func:`install`) stay. Returns the ``ov_backend.MoveResult``, or None when nothing was to move."""
+    if model is None:
+        return None
     try:
-        accelerator = existing if existing is not None else make()
-        return accelerator.place_weights(model, None if used is not None else options.panel, host.default_cache_dir())
+        found = in_use(existing, make)
+        if found is None:
+            return None
+        accelerator, settings = found
+        return move_weights(accelerator, model, settings, host.default_cache_dir())
     except (BackendUnavailable, UnsupportedModel, ValueError, OSError) as exc:
         logger.warning("Accelerate with OpenVINO: the weights of %s stay in memory until their first compile: %s",
                        checkpoint_label(model), exc)
         return None
+
+def fill_weights(accelerator: Accelerator, model: Any, state_dict: dict[str, Any], dtype: torch.dtype,
+                 settings: AccelerateSettings | None, default_cache_dir: str) -> Any:
+    """While A1111 loads ``model`` (its parameters still on the meta device, before ``load_state_dict``): write the
+    weights of the parts the last generation routed (``settings``' when given) from ``state_dict`` into the weight
+    file at ``dtype``, one tensor at a time, and make them the model's parameters. Each key written is taken out of
+    ``state_dict``, so A1111's load leaves those parameters as they are (A1111's own copy of them at ``dtype`` never
+    exists). Returns the ``ov_backend.MoveResult`` (None: nothing to write; then A1111 loads as before).
+
+    Raises:
+        UnsupportedModel: the model cannot be accelerated.
+        ValueError: ov_backend refused the settings.
+    """
+    found = accelerator.load_target(settings, default_cache_dir)
+    if found is None:
+        return None
+    settings, weight_file = found
+    names = {id(m): name for name, m in model.named_modules()}
+    slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, str]] = []
+    seen: set[int] = set()
+    for target in find_targets(model, settings.parts):
+        prefix = names.get(id(target.module))
+        if prefix is None:
+            continue
+        for sub_name, sub in target.module.named_modules():
+            for name, param in sub._parameters.items():
+                if param is None or not param.is_meta or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                key = ".".join(part for part in (prefix, sub_name, name) if part)
+                source = state_dict.get(key)
+                if isinstance(source, torch.Tensor) and source.is_floating_point() \
+                        and tuple(source.shape) == tuple(param.shape):
+                    slots.append((sub, name, param, key))
+    if not slots:
+        return None
+    check_room(accelerator, model, settings, [param for _, _, param, _ in slots], default_cache_dir)
+    items = [(param.shape, dtype, lambda key=key: state_dict.pop(key)) for _, _, param, key in slots]
+    grads = iter([param.requires_grad for _, _, param, _ in slots])
+    tensors, result = weight_file.fill(items, wrap=lambda t: torch.nn.Parameter(t, requires_grad=next(grads)))
+    size = ov_backend.format_bytes
+    for why, nbytes in result.kept_bytes.items():
+        logger.warning("Accelerate with OpenVINO: %s of weights load into memory as before: %s", size(nbytes), why)
+    if tensors is None:
+        return result
+    for (module, name, _, _), tensor in zip(slots, tensors):
+        module._parameters[name] = tensor
+    note = (f"At the checkpoint load ({checkpoint_label(model)}), {size(result.moved_bytes)} of weights went from "
+            f"the checkpoint file straight into the weight file ({result.seconds:.1f} s): PyTorch's {dtype} copy "
+            "of them was never in memory.")
+    logger.info("Accelerate with OpenVINO: %s", note)
+    accelerator.add_load_note(note)
+    return result
+
+
+def check_room(accelerator: Accelerator, model: Any, settings: AccelerateSettings, weights: Sequence[torch.Tensor],
+               default_cache_dir: str) -> None:
+    """Before a checkpoint's routed weights load: whether OpenVINO's compiled copy of them at the chosen precision
+    will fit in the memory left (``OVBackend.memory_shortage``: the check each build makes, with 8-bit weights named
+    when they would fit). Short of it, a WARNING and a note in the next status say so now, before the first
+    generation runs them in PyTorch for want of memory."""
+    choice = settings.backend_choice(default_cache_dir)
+    try:
+        why = accelerator.backends.backend(choice.for_part("unet")).memory_shortage(weights)
+    except (RuntimeError, ValueError) as exc:  # the device or the settings: the first build will say
+        logger.debug("no memory check at the load: %s", exc)
+        return
+    if why is None:
+        return
+    note = (f"{checkpoint_label(model)} loaded, but its accelerated parts may not fit in memory at "
+            f"{choice.precision}: {why}. Until they do, they run in PyTorch.")
+    logger.warning("Accelerate with OpenVINO: %s", note)
+    accelerator.add_load_note(note)
+
+
+def move_weights(accelerator: Accelerator, model: Any, settings: AccelerateSettings | None,
+                 default_cache_dir: str) -> Any:
+    """After A1111 loaded ``model``: move the weights of the parts the last generation routed (``settings``' when
+    given) that are still in memory into the weight file now, not at their first build; the tensors keep their
+    identity and values. Returns the ``ov_backend.MoveResult``; None when the weights stay in memory
+    (``weights_in_file`` off, or no settings and no generation since the last reset).
+
+    Raises:
+        UnsupportedModel: the model cannot be accelerated.
+        ValueError: ov_backend refused the settings.
+    """
+    found = accelerator.load_target(settings, default_cache_dir)
+    if found is None:
+        return None
+    settings, weight_file = found
+    tensors: dict[int, torch.Tensor] = {}
+    for target in find_targets(model, settings.parts):
+        for t in (*target.module.parameters(), *target.module.buffers()):
+            tensors.setdefault(id(t), t)
+    result = weight_file.place(list(tensors.values()))
+    size = ov_backend.format_bytes
+    if result.moved_bytes:
+        note = (f"At the checkpoint load ({checkpoint_label(model)}), {size(result.moved_bytes)} of PyTorch's "
+                f"weights moved into the weight file ({result.seconds:.1f} s), before this generation.")
+        logger.info("Accelerate with OpenVINO: %s", note)
+        accelerator.add_load_note(note)
+    for why, nbytes in result.kept_bytes.items():
+        logger.warning("Accelerate with OpenVINO: %s of PyTorch's weights stay in memory: %s", size(nbytes), why)
+    return result
+
+
+#: Marks our wrapper of ``modules.sd_models.load_model_weights``.
+_OURS = "_ov_accelerate_load_hook"
+
+
+def install(extension: Any) -> Callable[[], None] | None:
+    """Wrap A1111's ``sd_models.load_model_weights`` so that, when acceleration is in use (see :func:`place`), the
+    weights of the parts it routes go from the checkpoint file straight into the weight file as the model loads
+    (:func:`fill_weights`) instead of into A1111's f32 model and then the file. Returns the function
+    that takes the wrapper out again (on script unload); None where there is no ``sd_models``. ``extension``: the
+    extension (its accelerator, made or not, for :func:`in_use`)."""
+    sd_models = host.sd_models()
+    original = getattr(sd_models, "load_model_weights", None)
+    if original is None:
+        return None
+    while getattr(original, _OURS, None) is not None:  # a previous load of this script left its own (reload)
+        original = getattr(original, _OURS)
+
+    def load_model_weights(model: Any, checkpoint_info: Any, *args: Any, **kwargs: Any) -> Any:
+        state_dict = args[0] if args else kwargs.get("state_dict")
+        if model is None or not isinstance(state_dict, dict):
+            return original(model, checkpoint_info, *args, **kwargs)
+        try:
+            found = in_use(extension.made_accelerator(), extension.accelerator)
+        except BackendUnavailable as exc:
+            logger.warning("Accelerate with OpenVINO: the checkpoint loads as A1111 loads it: %s", exc)
+            found = None
+        if found is None:
+            return original(model, checkpoint_info, *args, **kwargs)
+        why = host.load_precision_change()
+        if why is not None:
+            logger.info("Accelerate with OpenVINO: the checkpoint loads as A1111 loads it, then its weights move into "
+                        "the weight file: %s", why)
+            return original(model, checkpoint_info, *args, **kwargs)
+        accelerator, settings = found
+        model.load_state_dict = _filling_load(model, state_dict, accelerator, settings)
+        try:
+            return original(model, checkpoint_info, *args, **kwargs)
+        finally:
+            model.__dict__.pop("load_state_dict", None)
+
+    setattr(load_model_weights, _OURS, original)
+    sd_models.load_model_weights = load_model_weights
+
+    def uninstall() -> None:
+        if getattr(sd_models, "load_model_weights", None) is load_model_weights:
+            sd_models.load_model_weights = original
+
+    return uninstall
+
+
+def _filling_load(model: Any, state_dict: dict[str, Any], accelerator: Accelerator,
+                  settings: Any) -> Callable[..., Any]:
+    """``model.load_state_dict`` for one load: first the routed parts' weights into the weight file (what cannot,
+    with the reason in the log, is left to A1111), then A1111's own load of the rest."""
+    def load_state_dict(sd: Any, *args: Any, **kwargs: Any) -> Any:
+        model.__dict__.pop("load_state_dict", None)
+        if sd is state_dict:
+            try:
+                fill_weights(accelerator, model, state_dict, torch.float32, settings, host.default_cache_dir())
+            except (BackendUnavailable, UnsupportedModel, ValueError, OSError) as exc:
+                logger.warning("Accelerate with OpenVINO: %s loads into memory as before: %s",
+                               checkpoint_label(model), exc)
+        return model.load_state_dict(sd, *args, **kwargs)
+
+    return load_state_dict

@@ -17,7 +17,7 @@ from typing import Any
 import openvino as ov
 import torch
 
-from ov_backend import cache_limit, devices, rewrites
+from ov_backend import cache_limit, devices, memory_guard, rewrites
 from ov_backend.cache import ModelCache
 from ov_backend.compiled import CompiledGraph
 from ov_backend.compress import compress_weights
@@ -81,6 +81,16 @@ class OVBackend:
                                           shared=SharedModels(), release_stale=self._release_stale,
                                           weights=WeightHome(self.weight_file, self.stats_counter)
                                           if self.weight_file is not None else None)
+
+    def memory_shortage(self, weights: Sequence[torch.Tensor]) -> str | None:
+        """Why models compiled from ``weights`` (any tensors of their shapes and dtypes: meta tensors do) by this
+        backend would not fit in the memory available now, or None: the check every build makes first
+        (:mod:`ov_backend.memory_guard`), for a caller that wants to know before it loads them. None as well with
+        ``check_memory`` off."""
+        if not self.settings.check_memory:
+            return None
+        hint = memory_guard.device_hint(self.core, self.settings.device)
+        return memory_guard.build_shortage(weights, self.settings.precision, self.settings.compile_config, hint)
 
     # -- dynamo entry -------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

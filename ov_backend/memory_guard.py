@@ -70,3 +70,22 @@ def shortage(needed: int, memory: SystemMemory | None = None, compressed: int | 
     if compressed is not None and compressed <= memory.available:
         why += f" (with 8-bit weights, precision 'int8-weights', it would need about {format_bytes(compressed)})"
     return why
+
+
+def device_hint(core: object, device: str) -> str:
+    """The device's own inference precision (its ``INFERENCE_PRECISION_HINT``: "bf16" on a CPU with AMX or
+    AVX-512 BF16, else "f32"); "f32" where the device does not report one."""
+    try:
+        hint = core.get_property(device, "INFERENCE_PRECISION_HINT")  # type: ignore[attr-defined]
+    except RuntimeError:  # not every device reports it
+        return "f32"
+    return hint.to_string() if hasattr(hint, "to_string") else str(hint)
+
+
+def build_shortage(weight_values: Sequence[torch.Tensor], settings_precision: str, config: dict[str, str],
+                   default_hint: str | None, memory: SystemMemory | None = None) -> str | None:
+    """:func:`shortage` for a model compiled from ``weight_values`` at the precision the settings and the device
+    give (:func:`inference_precision`), naming 8-bit weights when they would fit."""
+    precision = inference_precision(settings_precision, config, default_hint)
+    compressed = None if precision == "int8-weights" else build_bytes(weight_values, "int8-weights")
+    return shortage(build_bytes(weight_values, precision), memory, compressed=compressed)

@@ -33,7 +33,7 @@ import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,6 +264,75 @@ class WeightFile:
         with self._lock:
             seen = [t for t in tensors if (ref := self._seen.get(id(t))) is not None and ref() is t]
         return self.move(tensors, skip=seen)
+
+    def fill(self, items: Sequence[tuple[torch.Size, torch.dtype, Callable[[], torch.Tensor]]],
+             wrap: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             ) -> tuple[list[torch.Tensor] | None, MoveResult]:
+        """New tensors in a new file, made one at a time from their sources: for a checkpoint's weights as they
+        load, which then never exist in memory at their final precision.
+
+        ``items``: for each tensor its shape, its dtype, and a function that returns its source (called once,
+        when that tensor is written; the value is converted to the dtype as it is copied, so memory holds one
+        source at a time, never the converted whole). Returns the tensors (in ``items``' order) and what was
+        written; ``(None, result)`` with the reason in ``result.kept_bytes`` when no file can be made (nothing
+        was called: the caller loads as it would have). A source of another shape raises ValueError (the
+        file is then dropped: no half-written tensor is handed out). ``wrap`` makes each tensor what is handed out
+        (e.g. a ``torch.nn.Parameter``): the file stays mapped while any of those lives."""
+        result = MoveResult()
+        sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype, _ in items]
+        size, total = sum(sizes), sum(_aligned(n) for n in sizes)
+        why = self.unavailable() or (self._no_room(total) if total else None)
+        if why is not None:
+            result.keep(why, size)
+            return None, result
+        if not total:
+            return [torch.empty(shape, dtype=dtype) for shape, dtype, _ in items], result
+        start = time.perf_counter()
+        try:
+            mapping = self._map_new(total)
+        except OSError as err:
+            result.keep(f"the weights file could not be made in {self.folder} ({err})", size)
+            return None, result
+        out: list[torch.Tensor] = []
+        offset = since_drop = 0
+        try:
+            with torch.no_grad():
+                for (shape, dtype, source), nbytes in zip(items, sizes):
+                    dest = torch.frombuffer(mapping.mm, dtype=torch.uint8, count=nbytes, offset=offset) \
+                        if nbytes else torch.empty(0, dtype=torch.uint8)
+                    target = dest.view(dtype).view(shape)
+                    value = source()
+                    if tuple(value.shape) != tuple(target.shape):
+                        raise ValueError(f"a source of shape {tuple(value.shape)} for a tensor of shape "
+                                         f"{tuple(target.shape)}")
+                    target.copy_(value)
+                    del value
+                    out.append(target)
+                    offset += _aligned(nbytes)
+                    since_drop += nbytes
+                    if since_drop >= _DROP_EVERY:
+                        mapping.mm.madvise(mmap.MADV_DONTNEED)
+                        since_drop = 0
+        except BaseException:
+            out.clear()
+            dest = target = None  # noqa: F841 (the views of the mapping go before it is closed)
+            try:
+                mapping.mm.close()
+            except BufferError:  # a view still held by the traceback: the mapping goes with it
+                pass
+            raise
+        mapping.mm.madvise(mmap.MADV_DONTNEED)
+        if wrap is not None:
+            out = [wrap(t) for t in out]
+        mapping.tensors.extend(weakref.ref(t) for t in out)
+        with self._lock:
+            self._maps.append(mapping)
+            self._start_keeper()
+        result.moved_bytes = size
+        result.seconds = time.perf_counter() - start
+        logger.info("wrote %s of weights (%d tensors) into a memory-mapped file in %s in %.1fs",
+                    format_bytes(size), len(out), self.folder, result.seconds)
+        return out, result
 
     def arrays(self, sizes: Sequence[int]) -> list[np.ndarray] | None:
         """Writable uint8 arrays of ``sizes`` bytes, in a new file: for constants a build makes that OpenVINO's CPU

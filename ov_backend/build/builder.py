@@ -102,14 +102,9 @@ class GraphBuilder:
         if not settings.check_memory:
             return None
         if self._default_hint is None:
-            try:
-                hint = self.target.context.core.get_property(settings.device, "INFERENCE_PRECISION_HINT")
-            except RuntimeError:  # not every device reports it
-                hint = "f32"
-            self._default_hint = hint.to_string() if hasattr(hint, "to_string") else str(hint)
-        precision = memory_guard.inference_precision(settings.precision, settings.compile_config, self._default_hint)
-        compressed = None if precision == "int8-weights" else memory_guard.build_bytes(weight_values, "int8-weights")
-        return memory_guard.shortage(memory_guard.build_bytes(weight_values, precision), compressed=compressed)
+            self._default_hint = memory_guard.device_hint(self.target.context.core, settings.device)
+        return memory_guard.build_shortage(weight_values, settings.precision, settings.compile_config,
+                                           self._default_hint)
 
     def _in_pytorch_for_now(self, why: str, weight_values: Sequence[torch.Tensor], report: CompileReport) -> Variant:
         """The graph in PyTorch until the next use window, because ``why`` (a visible fallback)."""

@@ -196,3 +196,39 @@ def test_settings_take_a_boolean_for_the_option() -> None:
     assert build_settings({"weights_in_file": "yes"}).weights_in_file is True
     with pytest.raises(ValueError, match="weights_in_file.*boolean"):
         build_settings({"weights_in_file": "sometimes"})
+
+
+def test_fill_writes_each_source_converted_into_the_file_one_at_a_time(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    sources = {f"w{i}": torch.randn(128, 96 + i).half() for i in range(4)}
+    order: list[str] = []
+
+    def source(key: str) -> torch.Tensor:
+        order.append(key)
+        return sources.pop(key)  # the caller's only reference goes as each tensor is written
+
+    want = {k: v.float() for k, v in sources.items()}
+    home = WeightFile(tmp_path)
+    tensors, result = home.fill([(want[k].shape, torch.float32, lambda k=k: source(k)) for k in want])
+    assert tensors is not None and order == list(want) and not sources
+    assert home.resident_bytes() == 0  # written, then out of the process: the data is in the file
+    for t, (key, value) in zip(tensors, want.items()):
+        assert home.holds(t) and t.dtype == torch.float32
+        assert torch.equal(t, value), key  # bit for bit what .float() gives
+    assert result.moved_bytes == sum(v.numel() * 4 for v in want.values()) and not result.kept_bytes
+
+
+def test_fill_with_no_file_calls_no_source_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weight_file, "file_system_of", lambda path: "tmpfs")
+    called: list[int] = []
+    tensors, result = WeightFile(tmp_path).fill([((4, 4), torch.float32, lambda: called.append(1) or torch.ones(4, 4))])
+    assert tensors is None and not called
+    assert any("tmpfs" in why for why in result.kept_bytes)
+
+
+def test_fill_refuses_a_source_of_another_shape_and_hands_out_nothing(tmp_path: Path) -> None:
+    home = WeightFile(tmp_path)
+    with pytest.raises(ValueError, match=r"shape \(3, 4\) for a tensor of shape \(4, 4\)"):
+        home.fill([((4, 4), torch.float32, lambda: torch.ones(4, 4)),
+                   ((4, 4), torch.float32, lambda: torch.ones(3, 4))])
+    assert home.file_bytes() == 0

@@ -132,3 +132,81 @@ def test_enable_for_every_generation_moves_the_panel_parts_at_the_first_load(
     routed = sum(p.numel() * p.element_size() for m in (other.model.diffusion_model, other.first_stage_model)
                  for p in m.parameters())
     assert size >= routed and resident == 0, (size, routed)
+
+
+def test_a_load_writes_the_routed_weights_from_the_checkpoint_straight_into_the_file(
+        fake_host: SimpleNamespace, extension: Any, f32: Any) -> None:
+    """What the load hook does inside A1111's ``load_state_dict`` (the real WebUI's tier measures the memory): the
+    model's parameters still on the meta device, the routed parts' weights are written from the checkpoint's
+    float16 tensors into the weight file at f32, bit for bit what ``.float()`` gives, and taken out of the state
+    dict; what is not routed is left for A1111 to load."""
+    import torch
+
+    unet_only = dataclasses.replace(f32, vae=False, text_encoder=False)
+    extension.run(make_p(fake_host), unet_only)  # acceleration in use
+    source = fake_host.make_model(seed=9)
+    state_dict = {k: v.half() for k, v in source.state_dict().items()}
+    want = {k: v.float() for k, v in state_dict.items()}
+    with torch.device("meta"):
+        model = fake_host.make_model(seed=9)
+    from ov_accelerate_webui.weights_at_load import fill_weights
+
+    result = fill_weights(extension.accelerator(), model, state_dict, torch.float32, None, str(fake_host.tmp_path))
+    unet = dict(model.model.diffusion_model.named_parameters())
+    assert result is not None and result.moved_bytes == sum(p.numel() * 4 for p in unet.values())
+    weight_file = extension.accelerator().backends.weight_file(unet_only.backend_choice("unused"))
+    for name, param in unet.items():
+        key = f"model.diffusion_model.{name}"
+        assert weight_file.holds(param) and param.dtype == torch.float32 and key not in state_dict
+        assert torch.equal(param, want[key]), key
+    assert all(p.is_meta for p in model.first_stage_model.parameters())  # not routed: A1111 loads it
+    assert all(f"first_stage_model.{n}" in state_dict for n, _ in model.first_stage_model.named_parameters())
+
+
+def test_the_load_hook_wraps_a1111s_load_while_in_use_and_goes_when_the_script_unloads(
+        fake_host: SimpleNamespace, extension: Any, f32: Any, monkeypatch: Any) -> None:
+    """``weights_at_load.install`` around a ``load_model_weights`` of A1111 v1.10.1's signature and order
+    (``model.load_state_dict(state_dict, strict=False)``, then ``model.float()`` with ``--no-half``)."""
+    import torch
+
+    from ov_accelerate_webui import weights_at_load
+
+    seen: list[Any] = []
+
+    def a1111_load_model_weights(model: Any, checkpoint_info: Any, state_dict: Any, timer: Any) -> None:
+        model.load_state_dict(state_dict, strict=False)
+        seen.append(set(state_dict))  # (what was written into the file left the state dict)
+        model.float()
+
+    monkeypatch.setattr(fake_host.sd_models, "load_model_weights", a1111_load_model_weights)
+    monkeypatch.setattr(fake_host.shared.cmd_opts, "no_half", True, raising=False)
+    uninstall = weights_at_load.install(extension)
+    assert uninstall is not None
+    try:
+        def load(seed: int) -> tuple[Any, dict[str, Any]]:
+            state_dict = {k: v.half() for k, v in fake_host.make_model(seed=seed).state_dict().items()}
+            want = {k: v.float() for k, v in state_dict.items()}
+            with torch.device("meta"):
+                model = fake_host.make_model(seed=seed)
+            fake_host.sd_models.load_model_weights(model, None, state_dict, None)
+            return model, want
+
+        model, _ = load(4)  # acceleration not in use yet: A1111's own load, every key left to it
+        assert any(k.startswith("model.diffusion_model.") for k in seen[-1])
+        assert all(p.is_meta for p in model.model.diffusion_model.parameters())
+
+        unet_only = dataclasses.replace(f32, vae=False, text_encoder=False)
+        extension.run(make_p(fake_host), unet_only)
+        model, want = load(5)
+        assert not any(k.startswith("model.diffusion_model.") for k in seen[-1])  # written into the file instead
+        assert "load_state_dict" not in model.__dict__  # the model's own method again
+        weight_file = extension.accelerator().backends.weight_file(unet_only.backend_choice("unused"))
+        for name, param in model.model.diffusion_model.named_parameters():
+            assert weight_file.holds(param) and torch.equal(param, want[f"model.diffusion_model.{name}"]), name
+
+        fake_host.shared.cmd_opts.no_half = False  # A1111 would halve the weights after reading them: its own load
+        load(6)
+        assert any(k.startswith("model.diffusion_model.") for k in seen[-1])
+    finally:
+        uninstall()
+    assert fake_host.sd_models.load_model_weights is a1111_load_model_weights
