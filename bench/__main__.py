@@ -19,7 +19,8 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog="python -m bench webui --help: the real-WebUI benchmark; "
                                        "python -m bench step-cache --help: step caching's images; "
                                        "python -m bench soak --help: the soak; "
-                                       "python -m bench batch --help: a batch job by each way of running it")
+                                       "python -m bench batch --help: a batch job by each way of running it; "
+                                       "python -m bench load --help: a checkpoint load's memory")
     p.add_argument("--quick", action="store_true", help="small models, seconds not minutes (CI smoke test)")
     p.add_argument("--components", nargs="+", choices=models.COMPONENT_NAMES, metavar="NAME",
                    help=f"components to measure (default: {' '.join(settings.DEFAULT_COMPONENTS)}; "
@@ -59,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import batch
 
         return batch.main(argv[1:])
+    if argv[:1] == ["load"]:  # a checkpoint load's memory: A1111's own against the load into the weight file
+        from bench import load
+
+        return load.main(argv[1:])
     if argv[:1] == ["soak"]:  # hours of mixed requests against the real WebUI, bounded (its own options)
         from bench import soak
 

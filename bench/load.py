@@ -1,0 +1,143 @@
+"""``python -m bench load``: the memory of a checkpoint load in the real WebUI, A1111's own against the load into the
+weight file (acceleration in use).
+
+For each model (the test bed's full-size random SD 1.5, a full-size random SDXL base made once by
+``bench/make_sdxl.py``), a WebUI of its own starts on the tier's tiny checkpoint and switches to the full-size one
+twice: with Settings -> OpenVINO -> "Keep PyTorch's copy ... in a file" off (acceleration takes no part: A1111's
+load) and with "Enable for every generation" on (the routed parts' weights go from the checkpoint file into the
+weight file, ``docs/memory.md``), each in a WebUI started afresh. During each switch the WebUI process's
+memory is read every 5 ms from ``/proc``: its anonymous memory (``RssAnon``: what only swap can take from it) and
+its resident memory (``VmRSS``, file pages included), and its ``VmHWM`` is started again before the switch
+(``clear_refs``), so the peak is the load's own. Reported: the peaks, what is left after the load, and seconds.
+
+    python -m bench load [--models sd15 sdxl] [--out bench/results] [--name NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.report import machine
+from bench.webui_host import GIB, BenchWebUI
+from bench.webui_rows import SDXL_CHECKPOINT  # the SDXL file ``bench webui --model sdxl`` makes
+from tests.real_webui.webui import CHECKPOINT_A, testbed_root
+
+logger = logging.getLogger(__name__)
+
+MODELS = {"sd15": "sd15-random.safetensors", "sdxl": SDXL_CHECKPOINT}
+MODES = {
+    "A1111's load": {"openvino_weights_in_file": False, "openvino_enable_always": False},
+    "into the weight file": {"openvino_weights_in_file": True, "openvino_enable_always": True},
+}
+
+
+def _status(pid: int) -> dict[str, int]:
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def measure_switch(ui: BenchWebUI, checkpoint: str) -> dict[str, float]:
+    """Switch to ``checkpoint``, reading the WebUI's memory every 5 ms; GiB and seconds."""
+    assert ui.process is not None
+    pid = ui.process.pid
+    ui.reset_peak()
+    before = _status(pid)
+    peak = dict(before)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            now = _status(pid)
+            for key in ("RssAnon", "VmRSS"):
+                peak[key] = max(peak[key], now[key])
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        seconds = ui.switch_checkpoint(checkpoint)
+    finally:
+        done.set()
+        sampler.join()
+    after = _status(pid)
+    return {"seconds": seconds, "anon_before": before["RssAnon"] / GIB, "anon_peak": peak["RssAnon"] / GIB,
+            "anon_after": after["RssAnon"] / GIB, "rss_peak": max(peak["VmRSS"], after["VmHWM"]) / GIB,
+            "rss_after": after["VmRSS"] / GIB}
+
+
+def run_model(model: str, work: Path) -> list[dict[str, Any]]:
+    testbed = testbed_root()
+    folder = testbed / "webui" / "models" / "Stable-diffusion"
+    checkpoint = MODELS[model]
+    ui = BenchWebUI(testbed, work / model / "data", work / model / "logs", CHECKPOINT_A)
+    (work / model / "logs").mkdir(parents=True, exist_ok=True)
+    ui.prepare([])
+    if not (folder / checkpoint).is_file():
+        logger.warning("making %s (a full-size random SDXL base, fp16, about 7 GB; minutes)", folder / checkpoint)
+        subprocess.run([str(ui.python), str(Path(__file__).with_name("make_sdxl.py")), str(folder / checkpoint), "1"],
+                       cwd=ui.webui, env=ui.env(), check=True)
+    ui.link_checkpoints([folder / checkpoint])
+    rows = []
+    for mode, options in MODES.items():  # a WebUI started afresh for each: no model of an earlier load left over
+        ui.start()
+        try:
+            ui.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A, **options})
+            record = {"model": model, "checkpoint": checkpoint, "mode": mode, **measure_switch(ui, checkpoint)}
+            logger.info("%s", record)
+            rows.append(record)
+        finally:
+            ui.stop()
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| model | load | anonymous memory: peak growth GiB | left after GiB | RSS peak GiB (file pages too) "
+             "| RSS after GiB | seconds |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['mode']} | {r['anon_peak'] - r['anon_before']:.2f} | "
+                     f"{r['anon_after'] - r['anon_before']:.2f} | {r['rss_peak']:.2f} | {r['rss_after']:.2f} | "
+                     f"{r['seconds']:.1f} |")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench load", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["sd15"])
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--name", default=None, help="file name of the results (default load-<date>)")
+    p.add_argument("--work-dir", type=Path, default=Path("build/bench-load"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = [row for model in args.models for row in run_model(model, args.work_dir)]
+    name = args.name or f"load-{time.strftime('%Y-%m-%d')}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    cpu = f"{info.get('Model name', '?')}, {info.get('Flags') or 'no AVX-512'}, {info.get('memory_gib')} GiB"
+    header = {"cpu": cpu, "machine": info, "date": time.strftime("%Y-%m-%d"), "models": args.models}
+    (args.out / f"{name}.json").write_text(json.dumps({**header, "rows": rows}, indent=2) + "\n", encoding="utf-8")
+    lines = [f"# A checkpoint load's memory: A1111's own against the load into the weight file ({cpu})", "",
+             "`python -m bench load` (bench/load.py): a WebUI of its own per model switches from the tiny checkpoint "
+             "to the full-size one, once with the weight file off (A1111's load), once with *Enable for every "
+             "generation* on, each in a WebUI started afresh; the WebUI process's memory read every 5 ms during "
+             "each switch. Growth is from just "
+             "before the switch (the tiny model loaded).", "", *table(rows), ""]
+    (args.out / f"{name}.md").write_text("\n".join(lines), encoding="utf-8")
+    print("\n".join(lines))  # noqa: T201 (the bench's report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
