@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -46,6 +47,8 @@ def _status(pid: int) -> dict[str, int]:
             key, _, value = line.partition(":")
             if key in ("RssAnon", "VmRSS", "VmHWM"):
                 fields[key] = int(value.split()[0]) * 1024
+    if "RssAnon" not in fields:  # a zombie: the process has ended
+        raise ProcessLookupError(f"the WebUI process {pid} has ended")
     return fields
 
 
@@ -60,7 +63,10 @@ def measure_switch(ui: BenchWebUI, checkpoint: str) -> dict[str, float]:
 
     def sample() -> None:
         while not done.is_set():
-            now = _status(pid)
+            try:
+                now = _status(pid)
+            except OSError:  # ended (killed for want of memory under a limit): the request says so
+                return
             for key in ("RssAnon", "VmRSS"):
                 peak[key] = max(peak[key], now[key])
             time.sleep(0.005)
@@ -78,7 +84,68 @@ def measure_switch(ui: BenchWebUI, checkpoint: str) -> dict[str, float]:
             "rss_after": after["VmRSS"] / GIB}
 
 
-def run_model(model: str, work: Path) -> list[dict[str, Any]]:
+class MemoryLimit:
+    """A memory cgroup of the bench's own with a hard limit (the cgroup v1 memory controller, else cgroup v2), the
+    machine's memory as a laptop of that size has it: the bench's own process joins it before it starts the WebUI,
+    so the WebUI is in it from its start (and the bench's few hundred MB are counted too), page cache included;
+    the kernel reclaims that cache, or kills, before the group passes the limit. Needs write access to the cgroup
+    file system (root in a container)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        v1 = Path("/sys/fs/cgroup/memory")
+        self.v1 = (v1 / "memory.limit_in_bytes").exists()
+        root = v1 if self.v1 else Path("/sys/fs/cgroup")
+        self.path = root / f"ov-bench-load-{os.getpid()}-{int(time.time())}"
+        self.path.mkdir()
+        if self.v1:
+            (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        else:
+            (self.path / "memory.max").write_text(str(limit_bytes))
+            if (self.path / "memory.swap.max").exists():
+                (self.path / "memory.swap.max").write_text("0")
+        self.limit = limit_bytes
+
+    def enter(self) -> None:
+        """This process joins the group (the processes it starts from now on are in it too)."""
+        self.home = self._current()
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def leave(self) -> None:
+        """This process goes back to the group it was in."""
+        (self.home / "cgroup.procs").write_text(str(os.getpid()))
+
+    def _current(self) -> Path:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, where = line.split(":", 2)
+            if (self.v1 and "memory" in controllers.split(",")) or (not self.v1 and controllers == ""):
+                return self.path.parent / where.lstrip("/")
+        return self.path.parent
+
+    def peak_bytes(self) -> int | None:
+        name = "memory.max_usage_in_bytes" if self.v1 else "memory.peak"
+        try:
+            return int((self.path / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def oom_kills(self) -> int:
+        name = "memory.oom_control" if self.v1 else "memory.events"
+        for line in (self.path / name).read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def close(self) -> None:
+        for _ in range(50):  # the group goes once its processes have (the WebUI is stopped first)
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+        logger.warning("the cgroup %s is still there (a process in it?)", self.path)
+
+
+def run_model(model: str, work: Path, limit_gib: float | None = None) -> list[dict[str, Any]]:
     testbed = testbed_root()
     folder = testbed / "webui" / "models" / "Stable-diffusion"
     checkpoint = MODELS[model]
@@ -92,24 +159,51 @@ def run_model(model: str, work: Path) -> list[dict[str, Any]]:
     ui.link_checkpoints([folder / checkpoint])
     rows = []
     for mode, options in MODES.items():  # a WebUI started afresh for each: no model of an earlier load left over
-        ui.start()
+        group = MemoryLimit(int(limit_gib * GIB)) if limit_gib is not None else None
+        record: dict[str, Any] = {"model": model, "checkpoint": checkpoint, "mode": mode}
+        if group is not None:
+            group.enter()
+            record["limit_gib"] = limit_gib
         try:
+            ui.start()
             ui.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A, **options})
-            record = {"model": model, "checkpoint": checkpoint, "mode": mode, **measure_switch(ui, checkpoint)}
+            try:
+                record.update(measure_switch(ui, checkpoint))
+            except (OSError, RuntimeError) as exc:  # the WebUI was killed (out of memory under the limit)
+                if group is None:
+                    raise
+                record["error"] = f"{type(exc).__name__}: {exc}"
+            if group is not None:
+                record["group_peak_gib"] = (group.peak_bytes() or 0) / GIB
+                record["oom_kills"] = group.oom_kills()
+                record["alive"] = ui.process is not None and ui.process.poll() is None
             logger.info("%s", record)
             rows.append(record)
         finally:
             ui.stop()
+            if group is not None:
+                group.leave()
+                group.close()
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
+    limited = any("limit_gib" in r for r in rows)
     lines = ["| model | load | anonymous memory: peak growth GiB | left after GiB | RSS peak GiB (file pages too) "
-             "| RSS after GiB | seconds |", "|---|---|---|---|---|---|---|"]
+             "| RSS after GiB | seconds |" + (" limit GiB | the group's peak GiB (page cache too) | WebUI |"
+                                              if limited else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|---|" if limited else "")]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['mode']} | {r['anon_peak'] - r['anon_before']:.2f} | "
-                     f"{r['anon_after'] - r['anon_before']:.2f} | {r['rss_peak']:.2f} | {r['rss_after']:.2f} | "
-                     f"{r['seconds']:.1f} |")
+        if "error" in r:
+            cells = "| - | - | - | - | - |"
+        else:
+            cells = (f"| {r['anon_peak'] - r['anon_before']:.2f} | {r['anon_after'] - r['anon_before']:.2f} | "
+                     f"{r['rss_peak']:.2f} | {r['rss_after']:.2f} | {r['seconds']:.1f} |")
+        extra = ""
+        if limited:
+            fate = "alive" if r.get("alive") else f"killed ({r.get('oom_kills', 0)} out-of-memory kill(s))"
+            extra = f" {r.get('limit_gib', '-')} | {r.get('group_peak_gib', 0):.2f} | {fate} |"
+        lines.append(f"| {r['model']} | {r['mode']} {cells}{extra}")
     return lines
 
 
@@ -119,9 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--name", default=None, help="file name of the results (default load-<date>)")
     p.add_argument("--work-dir", type=Path, default=Path("build/bench-load"))
+    p.add_argument("--memory-limit-gib", type=float, default=None,
+                   help="run each WebUI in a memory cgroup of this size from its start (needs root)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rows = [row for model in args.models for row in run_model(model, args.work_dir)]
+    rows = [row for model in args.models for row in run_model(model, args.work_dir, args.memory_limit_gib)]
     name = args.name or f"load-{time.strftime('%Y-%m-%d')}"
     args.out.mkdir(parents=True, exist_ok=True)
     info = machine()
