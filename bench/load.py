@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import machine
-from bench.webui_host import GIB, BenchWebUI
+from bench.webui_host import GIB, BenchWebUI, _status_fields
 from bench.webui_rows import SDXL_CHECKPOINT  # the SDXL file ``bench webui --model sdxl`` makes
 from tests.real_webui.webui import CHECKPOINT_A, testbed_root
 
@@ -41,13 +41,8 @@ MODES = {
 
 
 def _status(pid: int) -> dict[str, int]:
-    fields: dict[str, int] = {}
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024
-    if "RssAnon" not in fields:  # a zombie: the process has ended
+    fields = _status_fields(pid, ("RssAnon", "VmRSS", "VmHWM"))
+    if "RssAnon" not in fields:  # gone, or a zombie: the process has ended
         raise ProcessLookupError(f"the WebUI process {pid} has ended")
     return fields
 

@@ -48,8 +48,8 @@ class SDSettings:
     cpu_pinning: bool | None = None
     """Whether the CPU plugin pins its threads to cores (``BackendChoice.cpu_pinning``); None: its default."""
     shared_shapes: str | None = None
-    """One compiled model for every shape or one per shape (``BackendChoice.shared_shapes``); None: the backend's
-    default."""
+    """One compiled model for every shape or one per shape (``BackendChoice.shared_shapes``, checked by the backend
+    when it is made); None: the backend's default."""
 
     def backend_choice(self) -> BackendChoice:
         """The backend these settings choose (see :class:`~.backends.Backends`)."""
@@ -97,8 +97,6 @@ def build_sd_settings(options: Mapping[str, Any] | None = None) -> SDSettings:
         raise ValueError(f"threads must be a whole number >= 1 or None, got {settings.threads!r}")
     if settings.cpu_pinning not in (None, True, False):
         raise ValueError(f"cpu_pinning must be True, False or None, got {settings.cpu_pinning!r}")
-    if settings.shared_shapes not in (None, "auto", "always", "never"):
-        raise ValueError(f"shared_shapes must be 'auto', 'always', 'never' or None, got {settings.shared_shapes!r}")
     if settings.prediction_type not in (None, "epsilon", "v_prediction"):
         raise ValueError(
             f"prediction_type must be 'epsilon', 'v_prediction' or None, got {settings.prediction_type!r}"

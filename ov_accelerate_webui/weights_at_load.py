@@ -62,6 +62,7 @@ def place(model: Any, existing: Accelerator | None, make: Callable[[], Accelerat
                        checkpoint_label(model), exc)
         return None
 
+
 def fill_weights(accelerator: Accelerator, model: Any, state_dict: dict[str, Any], dtype: torch.dtype,
                  settings: AccelerateSettings | None, default_cache_dir: str) -> Any:
     """While A1111 loads ``model`` (its parameters still on the meta device, before ``load_state_dict``): write the

@@ -285,8 +285,9 @@ class WeightFile:
         if why is not None:
             result.keep(why, size)
             return None, result
-        if not total:
-            return [torch.empty(shape, dtype=dtype) for shape, dtype, _ in items], result
+        if not total:  # only empty tensors: nothing to write, no file
+            empty = [torch.empty(shape, dtype=dtype) for shape, dtype, _ in items]
+            return [wrap(t) for t in empty] if wrap is not None else empty, result
         start = time.perf_counter()
         try:
             mapping = self._map_new(total)
@@ -314,11 +315,10 @@ class WeightFile:
                         mapping.mm.madvise(mmap.MADV_DONTNEED)
                         since_drop = 0
         except BaseException:
-            out.clear()
-            dest = target = None  # noqa: F841 (the views of the mapping go before it is closed)
+            out.clear()  # no half-written tensor is handed out; the file goes with its mapping
             try:
                 mapping.mm.close()
-            except BufferError:  # a view still held by the traceback: the mapping goes with it
+            except BufferError:
                 pass
             raise
         mapping.mm.madvise(mmap.MADV_DONTNEED)

@@ -232,3 +232,10 @@ def test_fill_refuses_a_source_of_another_shape_and_hands_out_nothing(tmp_path: 
         home.fill([((4, 4), torch.float32, lambda: torch.ones(4, 4)),
                    ((4, 4), torch.float32, lambda: torch.ones(3, 4))])
     assert home.file_bytes() == 0
+
+
+def test_fill_of_empty_tensors_makes_no_file_and_still_wraps_them(tmp_path: Path) -> None:
+    home = WeightFile(tmp_path)
+    tensors, result = home.fill([((0, 4), torch.float32, lambda: torch.ones(0, 4))], wrap=torch.nn.Parameter)
+    assert tensors is not None and isinstance(tensors[0], torch.nn.Parameter) and tensors[0].shape == (0, 4)
+    assert result.moved_bytes == 0 and home.file_bytes() == 0
