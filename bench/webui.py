@@ -37,6 +37,8 @@ from bench.webui_rows import (
     RESTART,
     ROWS,
     SDXL_CHECKPOINT,
+    SDXL_CHECKPOINT_B,
+    SDXL_LORA,
     SECTION_TITLE,
     TINY_LORA,
     Row,
@@ -221,13 +223,19 @@ def prepare(config: WebUIBenchSettings, work: Path) -> tuple[BenchWebUI, tuple[s
     if config.model == "sdxl":
         ui = BenchWebUI(testbed, work / "data", work / "logs", SDXL_CHECKPOINT)
         ui.prepare([])  # the tiny models too: SDXL's live preview reads their approximate VAE
-        if not (folder / SDXL_CHECKPOINT).is_file():
-            logger.warning("making %s (a full-size random SDXL base, fp16, about 7 GB; minutes)",
-                           folder / SDXL_CHECKPOINT)
-            subprocess.run([str(ui.python), str(Path(__file__).with_name("make_sdxl.py")),
-                            str(folder / SDXL_CHECKPOINT), "1"], cwd=ui.webui, env=ui.env(), check=True)
-        ui.link_checkpoints([folder / SDXL_CHECKPOINT])
-        return ui, (SDXL_CHECKPOINT, SDXL_CHECKPOINT), ""
+        second = (SDXL_CHECKPOINT_B,) if config.session else ()  # the session's switch: a second SDXL base
+        for name, seed in zip((SDXL_CHECKPOINT, *second), ("1", "2"), strict=False):
+            if not (folder / name).is_file():
+                logger.warning("making %s (a full-size random SDXL base, fp16, about 7 GB; minutes)", folder / name)
+                subprocess.run([str(ui.python), str(Path(__file__).with_name("make_sdxl.py")), str(folder / name),
+                                seed], cwd=ui.webui, env=ui.env(), check=True)
+        ui.link_checkpoints([folder / name for name in (SDXL_CHECKPOINT, *second)])
+        if not config.session:
+            return ui, (SDXL_CHECKPOINT, SDXL_CHECKPOINT), ""
+        lora = ui.data_dir / "models" / "Lora" / f"{SDXL_LORA}.safetensors"
+        if not lora.is_file():
+            logger.info("wrote %s (%d layers)", lora, write_kohya_lora(folder / SDXL_CHECKPOINT, lora))
+        return ui, (SDXL_CHECKPOINT, SDXL_CHECKPOINT_B), SDXL_LORA
     ui = BenchWebUI(testbed, work / "data", work / "logs", FULL_CHECKPOINTS[0])
     ui.prepare([])
     ui.link_checkpoints([folder / name for name in FULL_CHECKPOINTS])

@@ -5,7 +5,7 @@ stop, HTTP) and adds: a chosen startup checkpoint (the full-size SD 1.5 files of
 into the isolated data folder), a timed generation that follows A1111's own progress
 (``/sdapi/v1/progress``) to get seconds per sampling step, the resident memory of the WebUI's Python
 process from ``/proc``, and the size of the extension's disk cache. :func:`write_kohya_lora` writes a
-random rank-4 LoRA for the layer names of any SD 1.x checkpoint file.
+random rank-4 LoRA for the layer names of any SD 1.x or SDXL checkpoint file.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ class BenchWebUI(WebUI):
         #: during the last timed request: the WebUI's largest VmHWM, the machine's least available GiB
         self.peak_seen: float = 0.0
         self.least_available: float | None = None
+        #: the WebUI process's peak RSS (VmHWM, GiB) before each reset of it: with :meth:`memory`'s peak, the
+        #: peak of its whole life
+        self.life_peak: float = 0.0
+
+    def start(self, timeout: float = 900) -> None:
+        self.life_peak = 0.0
+        super().start(timeout)
 
     def link_checkpoints(self, files: list[Path]) -> None:
         """Make checkpoint files of the test bed visible in the isolated data folder (symlinks, no copy)."""
@@ -147,6 +154,7 @@ class BenchWebUI(WebUI):
         False where the kernel does not allow it (the peak then stays the process's)."""
         if self.process is None:
             return False
+        self.life_peak = max(self.life_peak, self.memory()["peak"])
         done = False
         for pid in _session_pids(self.process.pid):
             try:
@@ -212,7 +220,8 @@ def _status_fields(pid: int, names: tuple[str, ...]) -> dict[str, int]:
 
 def write_kohya_lora(checkpoint: Path, target: Path, rank: int = 4, seed: int = 7) -> int:
     """A random rank-``rank`` LoRA in kohya's format for the attention projections of an SD 1.x checkpoint
-    (UNet ``to_q/to_k/to_v/to_out.0``, CLIP ``q/k/v/out_proj``), named as A1111's Lora extension looks
+    (UNet ``to_q/to_k/to_v/to_out.0``, CLIP ``q/k/v/out_proj``) or of an SDXL one's UNet (its keys share SD 1.x's
+    prefix; A1111 finds them by ``lora_unet`` -> ``diffusion_model``), named as A1111's Lora extension looks
     them up; each layer's change is a fraction of its weight's spread. Returns the number of layers."""
     import torch
     from safetensors import safe_open
@@ -238,7 +247,7 @@ def write_kohya_lora(checkpoint: Path, target: Path, rank: int = 4, seed: int = 
                 0.6 * float(weight.std()))
             tensors[f"{lora}.alpha"] = torch.tensor(float(rank))
     if not tensors:
-        raise ValueError(f"{checkpoint} has no SD 1.x attention layers for a LoRA")
+        raise ValueError(f"{checkpoint} has no SD 1.x or SDXL UNet attention layers for a LoRA")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".part")
     save_file(tensors, str(partial))

@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 FULL_CHECKPOINTS = ("sd15-random.safetensors", "sd15-random-b.safetensors")
 #: the bench's full-size SDXL base checkpoint (made by bench/make_sdxl.py into the test bed on first use)
 SDXL_CHECKPOINT = "sdxl-random.safetensors"
+#: ``python -m bench session``'s second SDXL checkpoint (its switch) and its SDXL LoRA (UNet attention layers)
+SDXL_CHECKPOINT_B = "sdxl-random-b.safetensors"
+SDXL_LORA = "bench-lora-sdxl"
 MODELS = ("sd15", "sdxl")
 #: rows that need a second checkpoint or a LoRA, which the bench makes for SD 1.5 only
 NOT_SDXL = ("switch", "switch_back", "lora", "lora_change")
@@ -77,6 +80,14 @@ ROWS: tuple[Row, ...] = (
     Row("cache3", "step caching every 3 steps", 0, False, 0, None, step_cache=3, reference="again"),
     Row("cache4", "step caching every 4 steps", 0, False, 0, None, step_cache=4, reference="again"),
 )
+#: A laptop user's session (``python -m bench session``): the first generation, a second size, a LoRA on and off, a
+#: checkpoint switch and back.
+_BY_KEY = {row.key: row for row in ROWS}
+SESSION_ROWS: tuple[Row, ...] = (
+    _BY_KEY["first"], _BY_KEY["size2"], _BY_KEY["lora"],
+    Row("lora_off", "LoRA removed", 0, False, 0, None, reference="first"),
+    _BY_KEY["switch"], _BY_KEY["switch_back"],
+)
 #: The always-on section's title (its name in ``alwayson_scripts``).
 SECTION_TITLE = "OpenVINO"
 PROMPTS_SCRIPT = "prompts from file or textbox"
@@ -127,6 +138,9 @@ class WebUIBenchSettings:
     """Settings -> OpenVINO -> "Enable for every generation" on from the WebUI's start (written into the data folder's
     config before it): its checkpoint loads move the weights into the file as they load. Needs ``accelerated_only``
     (the section would accelerate stock's requests)."""
+    session: bool = False
+    """``python -m bench session``'s settings: a WebUI started afresh per run of :data:`SESSION_ROWS` (with model
+    sdxl, a second SDXL checkpoint and an SDXL LoRA are made for it)."""
 
 
 TINY_SIZES = ((64, 64), (96, 64), (64, 96))
@@ -161,7 +175,7 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
         raise ValueError(f"rows: unknown request(s) {', '.join(unknown_rows)}; known: {', '.join(keys)}")
     if config.model not in MODELS or config.model == "sdxl" and config.tiny:
         raise ValueError(f"model must be {' or '.join(MODELS)} (and sd15 with tiny), got {config.model!r}")
-    if config.model == "sdxl":  # one checkpoint, no LoRA made for it
+    if config.model == "sdxl" and not config.session:  # one checkpoint, no LoRA made for it
         alone = [row.key for row in (*ROWS, RESTART) if row.key not in NOT_SDXL]
         if any(key not in alone for key in config.rows):
             raise ValueError(f"rows: with model sdxl only {', '.join(alone)} (one checkpoint and no LoRA), "
@@ -174,7 +188,7 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
         raise ValueError(f"previous_weights must be {' or '.join(PREVIOUS_WEIGHTS)}, got {config.previous_weights!r}")
     if config.weights_in_file not in ("", "on", "off"):
         raise ValueError(f"weights_in_file must be on or off, got {config.weights_in_file!r}")
-    if config.enable_always and not config.accelerated_only:
+    if config.enable_always and not config.accelerated_only and not config.session:
         raise ValueError("enable_always needs accelerated_only: with the section enabled for every generation, "
                          "stock's requests would be accelerated too")
     if config.batch < 2:

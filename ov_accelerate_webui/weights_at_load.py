@@ -194,12 +194,12 @@ def install(extension: Any) -> Callable[[], None] | None:
         except BackendUnavailable as exc:
             logger.warning("Accelerate with OpenVINO: the checkpoint loads as A1111 loads it: %s", exc)
             found = None
-        if found is None:
-            return original(model, checkpoint_info, *args, **kwargs)
         why = host.load_precision_change()
-        if why is not None:
-            logger.info("Accelerate with OpenVINO: the checkpoint loads as A1111 loads it, then its weights move into "
-                        "the weight file: %s", why)
+        if found is None or why is not None:
+            if found is not None:
+                logger.info("Accelerate with OpenVINO: the checkpoint loads as A1111 loads it, then its weights move "
+                            "into the weight file: %s", why)
+            warn_if_short(checkpoint_info, state_dict, why, in_use=found is not None)
             return original(model, checkpoint_info, *args, **kwargs)
         accelerator, settings = found
         model.load_state_dict = _filling_load(model, state_dict, accelerator, settings)
@@ -216,6 +216,38 @@ def install(extension: Any) -> Callable[[], None] | None:
             sd_models.load_model_weights = original
 
     return uninstall
+
+
+def warn_if_short(checkpoint_info: Any, state_dict: dict[str, Any], precision_change: str | None,
+                  in_use: bool) -> str | None:
+    """Before A1111's own load of ``state_dict`` (not into the weight file): when the model it makes
+    (its floating-point weights at f32 with ``--no-half``, else f16) is larger than the memory available now (the
+    machine's, or its memory cgroup's limit less its use), a WARNING says so and what would load it in less, before
+    A1111 fills the memory and the kernel kills the WebUI or the machine swaps. Returns the warning (None: it fits,
+    or the memory cannot be read)."""
+    try:
+        memory = ov_backend.system_memory()
+    except BackendUnavailable:
+        return None
+    if memory is None:
+        return None
+    size = 4 if getattr(getattr(host.shared(), "cmd_opts", None), "no_half", False) else 2
+    need = sum(t.numel() * size for t in state_dict.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
+    if need <= memory.available:
+        return None
+    gib = 1 << 30
+    if in_use:
+        fix = f"it cannot load into the weight file ({precision_change})"
+    else:
+        fix = ("with Settings -> OpenVINO -> \"Enable for every generation\" and \"Keep PyTorch's copy ... in a file\" "
+               "on (and the WebUI started with --no-half), the accelerated parts' weights load straight into the "
+               "weight file instead, and the precision \"8-bit weights\" keeps OpenVINO's copy of them small")
+    name = getattr(checkpoint_info, "title", None) or getattr(checkpoint_info, "filename", None) or "the checkpoint"
+    message = (f"loading {name} as A1111 does needs about {need / gib:.1f} GiB of memory, "
+               f"{memory.available / gib:.1f} GiB is available: the WebUI may be killed for want of memory, or the "
+               f"machine swap. {fix[0].upper()}{fix[1:]}.")
+    logger.warning("Accelerate with OpenVINO: %s", message)
+    return message
 
 
 def _filling_load(model: Any, state_dict: dict[str, Any], accelerator: Accelerator,

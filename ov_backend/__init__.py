@@ -64,6 +64,9 @@ _EXPORTS = {
     "SavedCaptures": "ov_backend.saved_captures",
     "mark_varying": "ov_backend.portable",
     "sizes_may_be_one": "ov_backend.portable",
+    # the machine's memory (its memory cgroup's limit counted)
+    "SystemMemory": "ov_backend.memory",
+    "system_memory": "ov_backend.memory",
     # PyTorch's copy of the weights in a memory-mapped file
     "MoveResult": "ov_backend.weight_file",
     "WeightFile": "ov_backend.weight_file",
@@ -74,7 +77,7 @@ __all__ = ["atomic_path", "BACKEND_NAME", "BackendSettings", "build_settings", "
     "device_info", "DeviceInfo", "EagerCalls", "format_bytes", "GraphCollector", "GraphRunCounter",
     "input_signature", "list_devices", "mark_varying", "ModelCache", "MoveResult", "OpenVINOFallbackError",
     "ov_backend", "OVBackend", "PartitionReport", "PRECISIONS", "PREVIOUS_WEIGHTS", "QUANTIZED_PRECISIONS",
-    "SavedCaptures", "sizes_may_be_one", "Stats", "WeightFile", "why_eager"]
+    "SavedCaptures", "sizes_may_be_one", "Stats", "system_memory", "SystemMemory", "WeightFile", "why_eager"]
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.backend import OVBackend, ov_backend
@@ -85,6 +88,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from ov_backend.devices import DeviceInfo, check_device, device_info, list_devices
     from ov_backend.files import atomic_path, format_bytes
     from ov_backend.graph_runs import EagerCalls, GraphCollector, GraphRunCounter, describe_eager, why_eager
+    from ov_backend.memory import SystemMemory, system_memory
     from ov_backend.portable import mark_varying, sizes_may_be_one
     from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS, QUANTIZED_PRECISIONS
     from ov_backend.report import CompileReport, PartitionReport, Stats

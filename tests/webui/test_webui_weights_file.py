@@ -210,3 +210,43 @@ def test_the_load_hook_wraps_a1111s_load_while_in_use_and_goes_when_the_script_u
     finally:
         uninstall()
     assert fake_host.sd_models.load_model_weights is a1111_load_model_weights
+
+
+def test_a_load_a1111_makes_that_will_not_fit_is_warned_about_before_it_fills_memory(
+        fake_host: SimpleNamespace, extension: Any, monkeypatch: Any, caplog: Any) -> None:
+    """Acceleration not in use: A1111 loads the model as it does. When its f32 model is larger than the memory
+    available (the machine's or its cgroup's), a WARNING says so before the load, with what would load it in less;
+    the load itself goes on unchanged."""
+    import logging
+
+    import torch
+
+    import ov_backend.memory
+    from ov_accelerate_webui import weights_at_load
+
+    loaded: list[Any] = []
+    monkeypatch.setattr(fake_host.sd_models, "load_model_weights",
+                        lambda model, info, state_dict, timer: loaded.append(model.load_state_dict(state_dict)))
+    monkeypatch.setattr(fake_host.shared.cmd_opts, "no_half", True, raising=False)
+    state_dict = fake_host.make_model(seed=3).state_dict()
+    f32_bytes = sum(t.numel() * 4 for t in state_dict.values() if t.is_floating_point())
+    info = SimpleNamespace(title="big.safetensors [0123456789]", filename="/models/big.safetensors")
+    uninstall = weights_at_load.install(extension)
+    assert uninstall is not None
+    try:
+        for available, warned in ((f32_bytes * 2, False), (f32_bytes // 2, True)):
+            monkeypatch.setattr(ov_backend.memory, "system_memory",
+                                lambda available=available: ov_backend.memory.SystemMemory(1 << 34, available))
+            caplog.clear()
+            model = fake_host.make_model(seed=4)
+            with caplog.at_level(logging.WARNING):
+                fake_host.sd_models.load_model_weights(model, info, dict(state_dict), None)
+            said = [r.getMessage() for r in caplog.records if "needs about" in r.getMessage()]
+            assert bool(said) == warned, said
+            for key, value in state_dict.items():  # A1111's own load, as before
+                assert torch.equal(model.state_dict()[key], value), key
+        assert "loading big.safetensors [0123456789] as A1111 does" in said[0]
+        assert "Enable for every generation" in said[0] and "8-bit weights" in said[0]
+        assert len(loaded) == 2
+    finally:
+        uninstall()
