@@ -222,7 +222,8 @@ def main(argv: Sequence[str]) -> int:
     stem = config.name or f"session-{model}-{time.strftime('%Y-%m-%d')}"
     header = webui_report.header(config, "python -m bench session " + " ".join(argv), args.note)
     header["settings"]["sizes"] = header["settings"]["sizes"][:2]  # (the third is the webui bench's)
-    work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="bench-session-"))
+    # absolute: the WebUI runs in its own folder, where a relative data folder names another
+    work = Path(config.work_dir).absolute() if config.work_dir else Path(tempfile.mkdtemp(prefix="bench-session-"))
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
 

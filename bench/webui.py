@@ -317,7 +317,7 @@ def main(argv: Sequence[str]) -> int:
                         "(--min-available-gib lowers it)")
     stem = config.name or ("webui-tiny-" if config.tiny else "webui-") + time.strftime("%Y-%m-%d")
     header = webui_report.header(config, "python -m bench webui " + shlex.join(argv), args.note)
-    work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="bench-webui-"))
+    work = Path(config.work_dir).absolute() if config.work_dir else Path(tempfile.mkdtemp(prefix="bench-webui-"))
 
     def write(results: dict[str, Any]) -> tuple[Path, Path]:
         return webui_report.write({**header, **results}, Path(config.out), stem)
