@@ -8,8 +8,9 @@ What ends up in ``$A1111_ROOT`` (what tests/real_webui/webui.py and ``python -m 
 
   webui/          the WebUI at v1.10.1, with repositories/ at the commits its launch_utils.py pins, each
                   with a .git whose HEAD is that commit (the WebUI's git_clone() then does nothing),
-                  two full-size random SD 1.5 checkpoints in models/Stable-diffusion (for the bench and
-                  the ControlNet tests) and a random ControlNet for them in models/ControlNet
+                  a full-size random SD 1.5 checkpoint in models/Stable-diffusion (for the bench and
+                  the ControlNet tests; the bench adds a second with this script's worker when it needs
+                  it) and a random ControlNet for it in models/ControlNet
   sd-webui-controlnet/   the ControlNet extension at 56cec5b2 (just after v1.1.455), never in the WebUI's
                   extensions/: the tests that need it copy it into their own data folder and start the
                   WebUI with --skip-install (its install.py would move pins and reach GitHub); its
@@ -78,7 +79,10 @@ SETUPTOOLS = "80.9.0"
 OPENAI_CLIP = "1.0.1"  # PyPI's packaging of openai/CLIP (the WebUI would pip-install a GitHub zip of it)
 CLIP_MODEL = "openai/clip-vit-large-patch14"
 # name -> torch seed; the recipe (seeds, re-initialised layers, fp16) keeps them identical to earlier beds
-CHECKPOINTS = {"sd15-random.safetensors": 1, "sd15-random-b.safetensors": 2}
+CHECKPOINTS = {"sd15-random.safetensors": 1}
+# the bench's second one (its checkpoint switch): made by bench/webui.py with this script's worker on first use,
+# not by every CI run (51 s on a 2-core Zen 3)
+BENCH_CHECKPOINTS = {"sd15-random-b.safetensors": 2}
 # the recipe of these random checkpoints, shared with the real-WebUI tier's tiny ones (a plain script, no pytest)
 MODEL_RECIPE = "tests/real_webui/make_models.py"
 CONTROLNET_REPO = "https://github.com/Mikubill/sd-webui-controlnet.git"

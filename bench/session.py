@@ -70,7 +70,8 @@ class Sampler:
 
     def stop(self) -> None:
         self._done.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 class Session(Scenario):

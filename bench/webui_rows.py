@@ -165,7 +165,7 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
     bad = [p for p in config.precisions if p not in PRECISION_KEYS]
     if bad or not config.precisions:
         raise ValueError(f"precisions must be among {', '.join(PRECISION_KEYS)}, got {bad or 'none'}")
-    if config.steps < 3:
+    if config.steps < (1 if config.session else 3):  # (the session reads no seconds per step)
         raise ValueError(f"steps must be at least 3 (seconds per step are read from steps 3 on), got {config.steps}")
     if len(config.sizes) != 3 or any(w % 8 or h % 8 or w <= 0 or h <= 0 for w, h in config.sizes):
         raise ValueError(f"sizes: three WxH with multiples of 8, got {config.sizes}")

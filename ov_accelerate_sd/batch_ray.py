@@ -152,6 +152,7 @@ class RayCluster:
 
         ray = self.ray
         queue = list(reversed(tasks))
+        tries: dict[int, int] = {}  # a task's id -> how often its worker was lost under it
         running: dict[Any, tuple[int, Any]] = {}
         idle = list(range(self.count))
         stopping = False
@@ -174,8 +175,18 @@ class RayCluster:
                 try:
                     images, stats = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    raise RuntimeError(f"a Ray worker died {MAX_RESTARTS + 1} times running line {task[0].number} "
-                                       f"({exc}); run the same command again to resume") from None
+                    # The worker's process or its whole node was lost under the batch: Ray retries it on a worker
+                    # it starts again (max_task_retries), but a batch in flight when a node goes comes back as
+                    # "unavailable, may or may not have run": nothing of it was written here, so it runs again.
+                    tries[id(task)] = tries.get(id(task), 0) + 1
+                    if tries[id(task)] > MAX_RESTARTS or stopping:
+                        raise RuntimeError(f"a Ray worker was lost {tries[id(task)]} times running line "
+                                           f"{task[0].number} ({str(exc).splitlines()[0]}); run the same command "
+                                           "again to resume") from None
+                    self._say(f"worker {number + 1} was lost running line {task[0].number} "
+                              f"({str(exc).splitlines()[0][:160]}); its batch runs again")
+                    queue.append(task)
+                    continue
                 except ray.exceptions.RayTaskError as exc:
                     cause = exc.as_instanceof_cause()
                     if isinstance(cause, Interrupted) or isinstance(getattr(exc, "cause", None), Interrupted):

@@ -234,7 +234,8 @@ class LoraHook:
             functional = bool(host.option("lora_functional", False))
             if functional and networks.loaded_networks:
                 return self._plain_pytorch(entry, args, kwargs)
-            if layers is None:
+            first = layers is None
+            if first:
                 layers = lora_layers(module)
             wanted = network_set(networks)
             changed = wanted != entry.lora_applied
@@ -251,6 +252,8 @@ class LoraHook:
                     entry.lora_applied = wanted
                     if _weight_versions(layers) != before:  # the networks touch this part's layers
                         self._changes.append(LoraChange(entry.label, describe_networks(wanted), written, *moved))
+            elif first:  # copies a stock generation's LoRA left behind (kept after restoring): before the build
+                self._move_backups(layers)
             with self.plain_forwards(networks):
                 return forward(*args, **kwargs)
 

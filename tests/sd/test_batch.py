@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -373,6 +374,66 @@ def test_two_workers_with_one_killed_mid_job_make_every_image_once(one_go: tuple
     assert min(psnr(made[name], expected[name]) for name in made) > 60
 
 
+def ctrl_c_at_the_first_image(proc: subprocess.Popen, find: Callable[[], list[int]]) -> tuple[list[int], str, str]:
+    """Read a run's output; at its first image, SIGINT the command (as Ctrl-C in its terminal does). Returns (the
+    worker pids ``find`` saw then, stdout, stderr) once the run ended."""
+    seen: list[str] = []
+    workers: list[int] = []
+    for row in proc.stdout:
+        seen.append(row)
+        if row.startswith("[1/6]") and not workers:
+            workers = find()
+            proc.send_signal(signal.SIGINT)
+    stderr = proc.stderr.read()
+    proc.wait(timeout=600)
+    return workers, "".join(seen), stderr
+
+
+def gone(pids: list[int], within: float = 60.0) -> bool:
+    """Whether every one of ``pids`` has ended (or is a zombie) within ``within`` seconds."""
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + within
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(alive(pid) for pid in pids)
+
+
+def assert_stopped_cleanly(out: Path, stdout: str, stderr: str, returncode: int) -> None:
+    """Exit 130 with the message, and every image the manifest records is in the folder, whole."""
+    assert returncode == 130, stdout + stderr
+    assert "stopped by Ctrl-C" in stderr, stderr
+    done = [r["file"] for r in records(out) if r["kind"] == "image"]
+    assert 1 <= len(done) < 6, done
+    for name in done:
+        with Image.open(out / name) as image:
+            image.load()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="two cores and /proc")
+def test_ctrl_c_stops_the_workers_and_the_same_command_finishes_the_job(
+        one_go: tuple[Path, Path], mixed_job: Path, sd1_checkpoint: Path, tmp_path: Path) -> None:
+    reference, cache = one_go
+    out = tmp_path / "out"
+    args = (str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--workers", "2")
+    proc = batch(*args)
+    workers, stdout, stderr = ctrl_c_at_the_first_image(proc, lambda: worker_pids(proc.pid))
+    assert_stopped_cleanly(out, stdout, stderr, proc.returncode)
+    assert len(workers) == 2 and gone(workers, within=5), workers  # the workers end with the command
+    again = batch(*args)
+    stdout, stderr = again.communicate(timeout=900)
+    assert again.returncode == 0, stderr
+    made, expected = pngs(out), pngs(reference)
+    assert sorted(made) == sorted(expected)
+    assert sorted(r["file"] for r in records(out) if r["kind"] == "image") == sorted(expected)  # each once
+    assert min(psnr(made[name], expected[name]) for name in made) > 60
+
+
 def test_workers_are_planned_from_the_cores_and_the_memory() -> None:
     from ov_accelerate_sd.batch_workers import plan_workers
 
@@ -450,6 +511,85 @@ def test_a_ray_cluster_of_two_workers_with_one_killed_makes_every_image_once(
     assert min(psnr(made[name], expected[name]) for name in made) > 60
     # the killed worker's batch ran again on the worker Ray started in its place
     assert "6 image(s) rendered" in stdout
+
+
+@pytest.fixture
+def three_nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, list[Any], dict[str, str]]]:
+    """A local Ray cluster of three nodes of 1 CPU each on this machine (Ray's own ``cluster_utils.Cluster``, which
+    starts each node's processes as ``ray start`` would): (the cluster, its two nodes besides the head, the driver's
+    environment). Without token authentication: Ray reads ``RAY_AUTH_MODE`` in ``ray start``'s command line, which
+    this test process does not go through (the token itself is the other cluster's test)."""
+    from ray.cluster_utils import Cluster
+
+    auth = {"RAY_AUTH_MODE": "disabled"}
+    for key, value in {**auth, "RAY_USAGE_STATS_ENABLED": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    node = {"num_cpus": 1, "object_store_memory": 100 << 20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    try:
+        others = [cluster.add_node(**node) for _ in range(2)]
+        cluster.wait_for_nodes()
+        yield cluster, others, auth
+    finally:
+        cluster.shutdown()
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@pytest.mark.skipif(not HAVE_RAY or not sys.platform.startswith("linux"),
+                    reason="the optional extra requirements-ray.txt, and /proc")
+def test_a_whole_node_lost_mid_job_its_batch_runs_on_another_and_every_image_is_made_once(
+        three_nodes: tuple[Any, list[Any], dict[str, str]], one_go: tuple[Path, Path], mixed_job: Path,
+        sd1_checkpoint: Path, tmp_path: Path) -> None:
+    """Two workers on a cluster of three nodes; at the first image the node of a worker (not the head, where the
+    driver is) goes: its raylet and every process on it killed at once. Ray starts the worker again on the spare
+    node and its batch runs there."""
+    cluster, others, auth = three_nodes
+    reference, cache = one_go
+    out = tmp_path / "out"
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--ray", cluster.address,
+                 "--ray-cpus-per-worker", "1", "--workers", "2", **auth)
+    raylets = {node.all_processes["raylet"][0].process.pid: node for node in others}
+    lost = None
+    seen: list[str] = []
+    for row in proc.stdout:
+        seen.append(row)
+        if row.startswith("[1/6]") and lost is None:
+            hosts = [raylets.get(parent_pid(pid)) for pid in ray_workers()]
+            lost = next((node for node in hosts if node is not None), None)
+            assert lost is not None, ("no worker on a node besides the head", "".join(seen))
+            cluster.remove_node(lost, allow_graceful=False)
+    stdout, stderr = "".join(seen), proc.stderr.read()
+    proc.wait(timeout=900)
+    assert lost is not None, stdout + stderr
+    assert proc.returncode == 0, stdout + stderr
+    assert f"Ray cluster at {cluster.address}: 3 CPU(s), 2 worker(s) of 1 CPU(s)" in stdout
+    made, expected = pngs(out), pngs(reference)
+    assert sorted(made) == sorted(expected)
+    assert sorted(r["file"] for r in records(out) if r["kind"] == "image") == sorted(expected)  # each written once
+    assert min(psnr(made[name], expected[name]) for name in made) > 60
+    assert "6 image(s) rendered" in stdout
+
+
+@pytest.mark.skipif(not HAVE_RAY or not sys.platform.startswith("linux"),
+                    reason="the optional extra requirements-ray.txt, and /proc")
+def test_ctrl_c_on_a_ray_job_stops_its_workers_and_keeps_what_was_saved(
+        cluster: tuple[str, dict[str, str]], one_go: tuple[Path, Path], mixed_job: Path, sd1_checkpoint: Path,
+        tmp_path: Path) -> None:
+    _, cache = one_go
+    address, auth = cluster
+    out = tmp_path / "out"
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--ray", address,
+                 "--ray-cpus-per-worker", "1", **auth)
+    workers, stdout, stderr = ctrl_c_at_the_first_image(proc, ray_workers)
+    assert_stopped_cleanly(out, stdout, stderr, proc.returncode)
+    assert workers and gone(workers), workers  # Ray ends the job's actors once its driver has gone
 
 
 @pytest.mark.skipif(not HAVE_RAY, reason="the optional extra requirements-ray.txt")

@@ -248,3 +248,22 @@ def test_the_lora_extensions_copy_of_the_weights_moves_into_the_weight_file(
     assert "Its copy of the original weights" not in extension.last_status  # moved once
     networks.loaded_networks[:] = []
     assert max_pixel_diff(extension.run(make_p(fake_host), f32), without) <= IMAGE_TOLERANCE
+
+
+def test_copies_a_stock_generations_lora_left_move_into_the_file_before_the_first_build(
+        fake_host: Any, networks: ModuleType, extension: Any, f32: Any) -> None:
+    """A stock generation with a LoRA, then an accelerated one without it: the Lora extension's copy of every
+    weight (kept after it restored them) moves into the weight file at the UNet's first call, before its build,
+    though the LoRA set did not change for the accelerated route; the picture is stock's without the LoRA."""
+    networks.loaded_networks[:] = []
+    without = fake_host.processing.process_images(make_p(fake_host))
+    networks.loaded_networks[:] = loras(1.0)
+    fake_host.processing.process_images(make_p(fake_host))  # stock: the copies are made, in memory
+    layers = [m for m in fake_host.shared.sd_model.model.modules()
+              if isinstance(m, nn.Linear) and getattr(m, "network_weights_backup", None) is not None]
+    assert layers
+    networks.loaded_networks[:] = []
+    fast = extension.run(make_p(fake_host), f32)
+    weight_file = extension.accelerator().backends.weight_file(f32.backend_choice("unused"))
+    assert all(weight_file.holds(m.network_weights_backup) for m in layers)
+    assert max_pixel_diff(fast, without) <= IMAGE_TOLERANCE
