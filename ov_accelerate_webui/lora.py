@@ -108,6 +108,41 @@ def lora_backups(layers: list[nn.Module]) -> list[torch.Tensor]:
     return found
 
 
+#: The Lora extension's new weight copies are moved into the weight file each time this many bytes of them wait.
+BACKUP_CHUNK_BYTES = 256 << 20
+
+
+class _BackupMover:
+    """Collects layers whose Lora extension copies are new, and hands them to ``move`` (``(bytes, seconds)`` back)
+    each time :data:`BACKUP_CHUNK_BYTES` of copies not yet in the file (``held``) wait, and at :meth:`finish`."""
+
+    def __init__(self, move: Callable[[list[nn.Module]], tuple[int, float]],
+                 held: Callable[[torch.Tensor], bool]) -> None:
+        self._move, self._held = move, held
+        self._layers: list[nn.Module] = []
+        self._waiting = 0
+        self.moved, self.seconds = 0, 0.0
+
+    def add(self, layer: nn.Module) -> None:
+        waiting = sum(t.numel() * t.element_size() for t in lora_backups([layer]) if not self._held(t))
+        if not waiting:
+            return
+        self._layers.append(layer)
+        self._waiting += waiting
+        if self._waiting >= BACKUP_CHUNK_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._layers:
+            moved, seconds = self._move(self._layers)
+            self.moved, self.seconds = self.moved + moved, self.seconds + seconds
+        self._layers, self._waiting = [], 0
+
+    def finish(self) -> tuple[int, float]:
+        self._flush()
+        return self.moved, self.seconds
+
+
 def _weight_versions(layers: list[nn.Module]) -> tuple[int, ...]:
     """In-place write counters of the layers' parameters (they move when the Lora extension writes weights)."""
     return tuple(p._version for layer in layers for p in layer.parameters(recurse=False))
@@ -241,19 +276,24 @@ class LoraHook:
             changed = wanted != entry.lora_applied
             before = _weight_versions(layers) if changed else ()
             start = time.perf_counter()
+            # On a change, the Lora extension copies each layer's weights as it first writes them (every layer's,
+            # a whole part's worth): the copies move into the weight file a chunk at a time as they are made, so
+            # memory never holds them all. At the first call, so do the copies a stock generation left behind.
+            weight_file = self._weight_file() if (changed or first) and self._weight_file is not None else None
+            mover = _BackupMover(self._move_backups, weight_file.holds) if weight_file is not None else None
             for layer in layers:
                 # functional mode without networks: stock A1111 changes weights in MultiheadAttention only
                 if not functional or isinstance(layer, nn.MultiheadAttention):
                     networks.network_apply_weights(layer)
+                if mover is not None:
+                    mover.add(layer)
+            moved = mover.finish() if mover is not None else (0, 0.0)
             if changed:
-                written = time.perf_counter() - start
-                moved = self._move_backups(layers)
+                written = time.perf_counter() - start - moved[1]
                 with self._lock:
                     entry.lora_applied = wanted
                     if _weight_versions(layers) != before:  # the networks touch this part's layers
                         self._changes.append(LoraChange(entry.label, describe_networks(wanted), written, *moved))
-            elif first:  # copies a stock generation's LoRA left behind (kept after restoring): before the build
-                self._move_backups(layers)
             with self.plain_forwards(networks):
                 return forward(*args, **kwargs)
 

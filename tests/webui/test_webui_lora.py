@@ -267,3 +267,35 @@ def test_copies_a_stock_generations_lora_left_move_into_the_file_before_the_firs
     weight_file = extension.accelerator().backends.weight_file(f32.backend_choice("unused"))
     assert all(weight_file.holds(m.network_weights_backup) for m in layers)
     assert max_pixel_diff(fast, without) <= IMAGE_TOLERANCE
+
+
+def test_the_lora_extensions_copies_move_a_chunk_at_a_time_as_they_are_made(
+        fake_host: Any, networks: ModuleType, extension: Any, f32: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Lora extension copies every layer's weights as it first writes them: a whole part's worth, which with
+    its own copy and OpenVINO's would not fit where only the accelerated model does. Memory never holds more than
+    a chunk of those copies (and one layer's) outside the weight file; at the end all of them are in it, and the
+    picture is stock's."""
+    from ov_accelerate_webui import lora
+
+    chunk = 16 << 10
+    monkeypatch.setattr(lora, "BACKUP_CHUNK_BYTES", chunk)
+    weight_file = extension.accelerator().backends.weight_file(f32.backend_choice("unused"))
+    model = fake_host.shared.sd_model
+    layers = [m for m in model.model.diffusion_model.modules() if isinstance(m, nn.Linear)]
+    largest = max(m.weight.numel() * m.weight.element_size() for m in layers)
+    assert sum(m.weight.numel() * m.weight.element_size() for m in layers) > 4 * chunk  # several chunks
+    outside: list[int] = []
+    apply = networks.network_apply_weights
+
+    def apply_and_look(layer: nn.Module) -> None:
+        apply(layer)
+        outside.append(sum(t.numel() * t.element_size() for t in lora.lora_backups(layers)
+                           if not weight_file.holds(t)))
+
+    monkeypatch.setattr(networks, "network_apply_weights", apply_and_look)
+    networks.loaded_networks[:] = loras(1.0)
+    fast = extension.run(make_p(fake_host), f32)
+    assert outside and max(outside) <= chunk + largest, (max(outside), chunk, largest)
+    assert all(weight_file.holds(t) for t in lora.lora_backups(layers))
+    stock = fake_host.processing.process_images(make_p(fake_host))  # (the weights as the LoRA left them)
+    assert max_pixel_diff(stock, fast) <= IMAGE_TOLERANCE
