@@ -77,8 +77,9 @@ def _cgroup_paths() -> tuple[str | None, str | None]:
 
 def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Bytes the process's memory cgroup may still take (its limit, or the lowest of its parents', less what the
-    group uses that the kernel cannot simply drop: its file cache that is not active counts as free); None when
-    no limit applies or none can be read."""
+    group uses that the kernel cannot simply drop: its file cache that no process maps counts as free, as the
+    machine's ``MemAvailable`` counts page cache; a weight file's pages, dropped from the process after each build,
+    are such cache); None when no limit applies or none can be read."""
     v1, v2 = _cgroup_paths()
     if v1 is not None:
         folder = root / "memory" / v1.lstrip("/")
@@ -86,7 +87,9 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
         limit = stat.get("hierarchical_memory_limit") or _read_int(folder / "memory.limit_in_bytes")
         usage = _read_int(folder / "memory.usage_in_bytes")
         if limit is not None and limit < _NO_LIMIT and usage is not None:
-            return max(0, limit - (usage - stat.get("total_inactive_file", stat.get("inactive_file", 0))))
+            cache = stat.get("total_cache", stat.get("cache", 0))
+            mapped = stat.get("total_mapped_file", stat.get("mapped_file", 0))
+            return max(0, limit - (usage - max(0, cache - mapped)))
     if v2 is not None:
         for base in (root, root / "unified"):
             folder = base / v2.lstrip("/")
@@ -103,8 +106,9 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
                     break
                 walk = walk.parent
             if limits and usage is not None:
-                inactive = _stat(folder / "memory.stat").get("inactive_file", 0)
-                return max(0, min(limits) - (usage - inactive))
+                stat = _stat(folder / "memory.stat")
+                unmapped = max(0, stat.get("file", 0) - stat.get("file_mapped", 0))
+                return max(0, min(limits) - (usage - unmapped))
     return None
 
 

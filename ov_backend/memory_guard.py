@@ -44,15 +44,19 @@ def inference_precision(settings_precision: str, config: dict[str, str], default
     return str(hint).lower() if str(hint).lower() in _ELEMENT_BYTES else "f32"
 
 
-def build_bytes(weight_values: Sequence[torch.Tensor], precision: str) -> int:
+def build_bytes(weight_values: Sequence[torch.Tensor], precision: str, float_precision: str = "f32") -> int:
     """Bytes a model compiled from these weights at ``precision`` is expected to add to the process. With 8-bit
     weights only matmuls' (2-D) weights are compressed (``ov_backend.compress``): the others, convolutions', are
-    counted at their own size, since the device's float precision is not known here (f32 on a CPU without bf16)."""
+    packed at the device's float precision, ``float_precision`` (bf16 on a CPU with AMX or AVX-512 BF16, else
+    f32)."""
     per = _ELEMENT_BYTES.get(precision, 4)
+    per_float = _ELEMENT_BYTES.get(float_precision, 4) if float_precision != "int8-weights" else 4
 
     def size(t: torch.Tensor) -> int:
-        if not t.is_floating_point() or (precision == "int8-weights" and t.dim() != 2):
+        if not t.is_floating_point():
             return t.element_size()
+        if precision == "int8-weights" and t.dim() != 2:
+            return min(per_float, t.element_size())
         return min(per, t.element_size())
 
     weights = sum(t.numel() * size(t) for t in weight_values)
@@ -87,5 +91,6 @@ def build_shortage(weight_values: Sequence[torch.Tensor], settings_precision: st
     """:func:`shortage` for a model compiled from ``weight_values`` at the precision the settings and the device
     give (:func:`inference_precision`), naming 8-bit weights when they would fit."""
     precision = inference_precision(settings_precision, config, default_hint)
-    compressed = None if precision == "int8-weights" else build_bytes(weight_values, "int8-weights")
-    return shortage(build_bytes(weight_values, precision), memory, compressed=compressed)
+    floats = inference_precision("auto", config, default_hint)  # what the uncompressed weights are packed at
+    compressed = None if precision == "int8-weights" else build_bytes(weight_values, "int8-weights", floats)
+    return shortage(build_bytes(weight_values, precision, floats), memory, compressed=compressed)

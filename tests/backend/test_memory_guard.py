@@ -42,6 +42,9 @@ def test_the_estimate_follows_the_inference_precision() -> None:
     conv = [torch.zeros(1000, 1000), torch.zeros(100, 10, 10, 10)]
     eight = memory_guard.build_bytes(conv, "int8-weights")
     assert eight - memory_guard.MARGIN_BYTES == pytest.approx((2e6 + 4e5) * 1.1, rel=1e-6)
+    # ... packed at the device's float precision: half of that on a bf16 CPU
+    eight_bf16 = memory_guard.build_bytes(conv, "int8-weights", "bf16")
+    assert eight_bf16 - memory_guard.MARGIN_BYTES == pytest.approx((2e6 + 2e5) * 1.1, rel=1e-6)
     assert memory_guard.inference_precision("auto", {}, "bf16") == "bf16"
     assert memory_guard.inference_precision("f32", {"INFERENCE_PRECISION_HINT": "f32"}, "bf16") == "f32"
     assert memory_guard.shortage(10 * GIB, SystemMemory(16 * GIB, 12 * GIB)) is None
@@ -157,3 +160,26 @@ def test_under_a_memory_limit_smaller_than_the_build_the_process_lives_and_says_
                 import time
 
                 time.sleep(0.1)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_under_a_cgroup_limit_page_cache_no_process_maps_counts_as_available(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    """A group limited to 4 GiB that uses 3 GiB, 1.5 GiB of it page cache of which 0.5 GiB is mapped (a weight
+    file's pages after a build are not): 2 GiB may still be taken, as the machine's MemAvailable counts cache."""
+    from ov_backend import memory
+
+    group = tmp_path / ("memory/job" if version == "v1" else "job")
+    group.mkdir(parents=True)
+    if version == "v1":
+        (group / "memory.limit_in_bytes").write_text(str(4 * GIB))
+        (group / "memory.usage_in_bytes").write_text(str(3 * GIB))
+        (group / "memory.stat").write_text(f"total_cache {3 * GIB // 2}\ntotal_mapped_file {GIB // 2}\n"
+                                           f"hierarchical_memory_limit {4 * GIB}\n")
+        monkeypatch.setattr(memory, "_cgroup_paths", lambda: ("/job", None))
+    else:
+        (group / "memory.max").write_text(str(4 * GIB))
+        (group / "memory.current").write_text(str(3 * GIB))
+        (group / "memory.stat").write_text(f"anon {3 * GIB // 2}\nfile {3 * GIB // 2}\nfile_mapped {GIB // 2}\n")
+        monkeypatch.setattr(memory, "_cgroup_paths", lambda: (None, "/job"))
+    assert memory._cgroup_room(tmp_path) == 2 * GIB
