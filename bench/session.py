@@ -36,6 +36,7 @@ from bench.load import MemoryLimit
 from bench.webui import Scenario, extension_commit, prepare
 from bench.webui_host import GIB, BenchWebUI, _session_pids, _status_fields
 from bench.webui_rows import MODELS, PRECISION_KEYS, SESSION_ROWS, build_settings, parse_size
+from tests.real_webui.webui import psnr
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +78,18 @@ class Sampler:
 class Session(Scenario):
     """The session rows in a WebUI started afresh per (mode, limit)."""
 
-    def plan(self, limits: Sequence[float | None]) -> list[tuple[str, float | None]]:
+    def plan(self, limits: Sequence[float | None], stock_last: bool = False) -> list[tuple[str, float | None]]:
         """Stock without a limit first (the reference pictures), then stock under each limit before the first
-        precision that runs under it, then that precision."""
+        precision that runs under it, then that precision. ``stock_last``: the precisions first, then stock under
+        each limit, then stock without one (the accelerated pictures are compared with stock's at the end)."""
         runs: list[tuple[str, float | None]] = [("stock", None)]
         for precision, limit in zip(self.config.precisions, limits, strict=True):
             if limit is not None and ("stock", limit) not in runs:
                 runs.append(("stock", limit))
             runs.append((precision, limit))
+        if stock_last:
+            runs = [run for run in runs if run[0] != "stock"] + [run for run in runs[1:] if run[0] == "stock"] + \
+                [("stock", None)]
         return runs
 
     def run_session(self, mode: str, limit: float | None) -> dict[str, Any]:
@@ -133,12 +138,23 @@ class Session(Scenario):
         logger.info("session %s", record)
         return record
 
-    def run_all(self, limits: Sequence[float | None]) -> dict[str, Any]:
+    def run_all(self, limits: Sequence[float | None], stock_last: bool = False) -> dict[str, Any]:
         self.results["sessions"] = []
-        for mode, limit in self.plan(limits):
+        for mode, limit in self.plan(limits, stock_last):
             self.results["sessions"].append(self.run_session(mode, limit))
+            self.compare_late()
             self.progress(self.results)
         return self.results
+
+    def compare_late(self) -> None:
+        """PSNR against stock for the accelerated requests that ran before stock's (``stock_last``)."""
+        for record in self.results["rows"]:
+            if record["mode"] == "stock" or record.get("psnr_vs_stock") is not None:
+                continue
+            mine = self._pictures.get((record["mode"], record["key"]))
+            theirs = self._pictures.get(("stock", record.get("reference") or record["key"]))
+            if mine is not None and theirs is not None and mine.shape == theirs.shape:
+                record["psnr_vs_stock"] = psnr(mine, theirs)
 
 
 def _gib(value: float | None) -> str:
@@ -195,6 +211,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="folder of the results (default bench/results)")
     p.add_argument("--name", help="file name stem (default session-<model>-<date>)")
     p.add_argument("--work-dir", type=Path, help="keep the WebUI's data folder and logs here (default: temporary)")
+    p.add_argument("--stock-last", action="store_true",
+                   help="the accelerated runs first, stock's last (its unlimited run needs the most memory: other "
+                        "work can share the machine until then); pictures are compared at the end")
     p.add_argument("--note", help="a sentence printed above the tables")
     return p
 
@@ -237,7 +256,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         ui, checkpoints, lora = prepare(config, work)
         header["extension_commit"] = extension_commit(ui)
-        results = Session(config, ui, checkpoints, lora, write).run_all(limits)
+        results = Session(config, ui, checkpoints, lora, write).run_all(limits, args.stock_last)
     finally:
         if ui is not None:
             ui.stop()
