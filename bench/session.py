@@ -178,8 +178,10 @@ def markdown(results: dict[str, Any]) -> str:
                 if r["mode"] == session["mode"] and r.get("limit_gib") == session["limit_gib"]]
         psnrs = [r["psnr_vs_stock"] for r in mine if r.get("psnr_vs_stock") is not None]
         lived = "yes" if session["alive"] else ("killed at its start" if "error" in session else "no")
+        started = "error" not in session  # (a WebUI killed at its start was never sampled)
         lines.append(f"| {session['mode']} | {session['limit_gib'] or 'none'} | {lived} | {session['requests']} of "
-                     f"{len(SESSION_ROWS)} | {_gib(session['session_peak_gib'])} | {_gib(session['anon_peak_gib'])} | "
+                     f"{len(SESSION_ROWS)} | {_gib(session['session_peak_gib'] if started else None)} | "
+                     f"{_gib(session['anon_peak_gib'] if started else None)} | "
                      f"{_gib(session.get('group_peak_gib'))} | {session.get('oom_kills', '-')} | "
                      f"{f'{min(psnrs):.1f}' if psnrs else '-'} |")
     lines += ["", "Per request (peak: the request's own VmHWM, reset before it):", "",

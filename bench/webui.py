@@ -172,8 +172,9 @@ class Scenario:
 
     def phase_end(self, mode: str, process: int) -> None:
         size, files = self.ui.cache_size()
-        self.results["phases"].append({"mode": mode, "process": process, **self.ui.memory(), "cache_bytes": size,
-                                       "cache_files": files})
+        memory = self.ui.memory()
+        self.results["phases"].append({"mode": mode, "process": process, **memory, "cache_bytes": size,
+                                       "cache_files": files, "life_peak": max(self.ui.life_peak, memory["peak"])})
         self.progress(self.results)
 
     def run(self) -> dict[str, Any]:

@@ -189,10 +189,14 @@ def markdown(results: dict[str, Any]) -> str:
     lines += step_cache_lines(rows, modes)
     lines += request_peak_lines(rows, modes)
     lines += ["", "## Memory and disk cache", "",
-              "| after | process | peak RSS GiB (VmHWM) | RSS GiB | disk cache |", "|---|---|---|---|---|"]
+              "| after | process | peak RSS GiB (VmHWM since the last request began) | the process's whole life so far "
+              "(start, loads, every request) | RSS GiB | disk cache |", "|---|---|---|---|---|---|"]
     for p in phases:
         cache = f"{p['cache_bytes'] / (1 << 30):.2f} GiB in {p['cache_files']} files" if p["cache_files"] else "empty"
-        lines.append(f"| {p['mode']} | {p['process']} | {p['peak']:.2f} | {p['rss']:.2f} | {cache} |")
+        life = _num(p.get("life_peak"), "{:.2f}")
+        lines.append(f"| {p['mode']} | {p['process']} | {p['peak']:.2f} | {life} | {p['rss']:.2f} | {cache} |")
+    lines += ["", "The whole session's peak of each kind of run, each in a WebUI of its own and under a memory limit: "
+              "`python -m bench session`."]
     lines += ["", *goals(results)]
     errors = [r for r in rows if "error" in r]
     if errors:
