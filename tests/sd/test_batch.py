@@ -416,22 +416,15 @@ def assert_stopped_cleanly(out: Path, stdout: str, stderr: str, returncode: int)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
                     reason="two cores and /proc")
-def test_ctrl_c_stops_the_workers_and_the_same_command_finishes_the_job(
+def test_ctrl_c_stops_the_workers_and_keeps_what_was_saved(
         one_go: tuple[Path, Path], mixed_job: Path, sd1_checkpoint: Path, tmp_path: Path) -> None:
-    reference, cache = one_go
+    """(The same command then resumes from the manifest as after a kill: the kill-and-resume tests.)"""
+    _, cache = one_go
     out = tmp_path / "out"
-    args = (str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--workers", "2")
-    proc = batch(*args)
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--workers", "2")
     workers, stdout, stderr = ctrl_c_at_the_first_image(proc, lambda: worker_pids(proc.pid))
     assert_stopped_cleanly(out, stdout, stderr, proc.returncode)
     assert len(workers) == 2 and gone(workers, within=5), workers  # the workers end with the command
-    again = batch(*args)
-    stdout, stderr = again.communicate(timeout=900)
-    assert again.returncode == 0, stderr
-    made, expected = pngs(out), pngs(reference)
-    assert sorted(made) == sorted(expected)
-    assert sorted(r["file"] for r in records(out) if r["kind"] == "image") == sorted(expected)  # each once
-    assert min(psnr(made[name], expected[name]) for name in made) > 60
 
 
 def test_workers_are_planned_from_the_cores_and_the_memory() -> None:
