@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
                                        "python -m bench batch --help: a batch job by each way of running it; "
                                        "python -m bench load --help: a checkpoint load's memory; "
                                        "python -m bench session --help: a WebUI's whole session under a memory "
-                                       "limit")
+                                       "limit; python -m bench streams --help: NUM_STREAMS against N processes")
     p.add_argument("--quick", action="store_true", help="small models, seconds not minutes (CI smoke test)")
     p.add_argument("--components", nargs="+", choices=models.COMPONENT_NAMES, metavar="NAME",
                    help=f"components to measure (default: {' '.join(settings.DEFAULT_COMPONENTS)}; "
@@ -66,6 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import session
 
         return session.main(argv[1:])
+    if argv[:1] == ["streams"]:  # OpenVINO's throughput mode against N processes, on the UNet
+        from bench import streams
+
+        return streams.main(argv[1:])
     if argv[:1] == ["load"]:  # a checkpoint load's memory: A1111's own against the load into the weight file
         from bench import load
 

@@ -16,7 +16,7 @@ os.environ.setdefault("DIFFUSERS_OFFLINE", "1")
 #: leaves them out unless ``OV_TEST_MARKS`` says otherwise (``docs/testing.md``). The bench's unit tests (its
 #: report, the soak's bounds on synthetic runs) always run.
 BENCH_RUNS = ("tests/bench/test_quick.py", "tests/bench/test_webui_bench.py", "tests/bench/test_batch_bench.py",
-              "tests/real_webui/test_real_webui_soak.py")
+              "tests/bench/test_streams_bench.py", "tests/real_webui/test_real_webui_soak.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
