@@ -20,14 +20,13 @@ import json
 import logging
 import os
 import subprocess
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.report import machine
-from bench.webui_host import GIB, BenchWebUI, _status_fields
+from bench.webui_host import GIB, BenchWebUI, Sampler
 from bench.webui_rows import SDXL_CHECKPOINT  # the SDXL file ``bench webui --model sdxl`` makes
 from tests.real_webui.webui import CHECKPOINT_A, testbed_root
 
@@ -40,42 +39,19 @@ MODES = {
 }
 
 
-def _status(pid: int) -> dict[str, int]:
-    fields = _status_fields(pid, ("RssAnon", "VmRSS", "VmHWM"))
-    if "RssAnon" not in fields:  # gone, or a zombie: the process has ended
-        raise ProcessLookupError(f"the WebUI process {pid} has ended")
-    return fields
-
-
 def measure_switch(ui: BenchWebUI, checkpoint: str) -> dict[str, float]:
     """Switch to ``checkpoint``, reading the WebUI's memory every 5 ms; GiB and seconds."""
-    assert ui.process is not None
-    pid = ui.process.pid
     ui.reset_peak()
-    before = _status(pid)
-    peak = dict(before)
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            try:
-                now = _status(pid)
-            except OSError:  # ended (killed for want of memory under a limit): the request says so
-                return
-            for key in ("RssAnon", "VmRSS"):
-                peak[key] = max(peak[key], now[key])
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
+    sampler = Sampler(ui, interval=0.005)
+    before = sampler.reading()
     sampler.start()
     try:
         seconds = ui.switch_checkpoint(checkpoint)
     finally:
-        done.set()
-        sampler.join()
-    after = _status(pid)
-    return {"seconds": seconds, "anon_before": before["RssAnon"] / GIB, "anon_peak": peak["RssAnon"] / GIB,
-            "anon_after": after["RssAnon"] / GIB, "rss_peak": max(peak["VmRSS"], after["VmHWM"]) / GIB,
+        sampler.stop()
+    after = sampler.reading()
+    return {"seconds": seconds, "anon_before": before["RssAnon"] / GIB, "anon_peak": sampler.anon_peak / GIB,
+            "anon_after": after["RssAnon"] / GIB, "rss_peak": max(sampler.rss_peak, after["VmHWM"]) / GIB,
             "rss_after": after["VmRSS"] / GIB}
 
 

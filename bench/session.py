@@ -25,7 +25,6 @@ import json
 import logging
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,45 +33,21 @@ from typing import Any
 from bench import webui_report
 from bench.load import MemoryLimit
 from bench.webui import Scenario, extension_commit, prepare
-from bench.webui_host import GIB, BenchWebUI, _session_pids, _status_fields
+from bench.webui_host import GIB, Sampler
 from bench.webui_rows import MODELS, PRECISION_KEYS, SESSION_ROWS, build_settings, parse_size
 from tests.real_webui.webui import psnr
 
 logger = logging.getLogger(__name__)
 
 
-class Sampler:
-    """The WebUI's anonymous memory (``RssAnon`` summed over its process session) every ``interval`` seconds,
-    and its largest ``VmHWM``, from its start until :meth:`stop`."""
-
-    def __init__(self, ui: BenchWebUI, interval: float = 0.1) -> None:
-        self.ui, self.interval = ui, interval
-        self.anon_peak = self.hwm_peak = 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._done.wait(self.interval):
-            self.sample()
-
-    def sample(self) -> None:
-        process = self.ui.process
-        if process is None:
-            return
-        anon = 0
-        for pid in _session_pids(process.pid):
-            fields = _status_fields(pid, ("RssAnon", "VmHWM"))
-            anon += fields.get("RssAnon", 0)
-            self.hwm_peak = max(self.hwm_peak, fields.get("VmHWM", 0))
-        self.anon_peak = max(self.anon_peak, anon)
-
-    def stop(self) -> None:
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join()
+def why_not_started(error: str) -> str:
+    """What a results file keeps of a WebUI that did not start: the harness's first line ("the WebUI exited with
+    -9:") and the extension's own lines from the log's tail (its warning before A1111's load), not the rest of the
+    log (machine paths, library warnings)."""
+    lines = error.splitlines()
+    mark = "Accelerate with OpenVINO: "
+    ours = [line.split(mark, 1)[1] for line in lines[1:] if mark in line]
+    return "\n".join(lines[:1] + ours)
 
 
 class Session(Scenario):
@@ -120,11 +95,14 @@ class Session(Scenario):
                 record["requests"] += "error" not in self.results["rows"][-1]
                 if not alive:
                     break
-            sampler.sample()
+            try:
+                sampler.reading()
+            except ProcessLookupError:
+                pass
             record["alive"] = alive and ui.process is not None and ui.process.poll() is None
         except RuntimeError as err:  # the WebUI did not start: killed during its checkpoint load, under a limit
-            record["error"] = str(err)[-1500:]
-            logger.warning("%s (limit %s GiB): the WebUI did not start: %s", mode, limit, str(err)[-300:])
+            record["error"] = why_not_started(str(err))
+            logger.warning("%s (limit %s GiB): the WebUI did not start: %s", mode, limit, record["error"])
         finally:
             sampler.stop()
             record.update(session_peak_gib=max(sampler.hwm_peak / GIB, ui.life_peak),

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 def convert(ir: Path, quick: bool, size: int) -> None:
-    """The UNet as an OpenVINO IR (weights compressed to nothing: as PyTorch has them, f32)."""
+    """The UNet as an OpenVINO IR, its weights at f32 as PyTorch has them (not compressed to f16)."""
     import openvino as ov
     import torch
 

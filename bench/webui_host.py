@@ -189,6 +189,56 @@ class BenchWebUI(WebUI):
         return total, files
 
 
+class Sampler:
+    """The WebUI's memory read from ``/proc`` every ``interval`` seconds on a thread of its own, from :meth:`start`
+    until :meth:`stop`, summed over its process session: the peaks of its anonymous memory (``RssAnon``: what only
+    swap can take from it) and of its resident memory (``VmRSS``, file pages included), and its largest ``VmHWM``."""
+
+    def __init__(self, ui: WebUI, interval: float = 0.1) -> None:
+        self.ui, self.interval = ui, interval
+        self.anon_peak = self.rss_peak = self.hwm_peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def reading(self) -> dict[str, int]:
+        """``RssAnon`` and ``VmRSS`` summed, ``VmHWM`` the largest, in bytes, now (the peaks follow).
+
+        Raises:
+            ProcessLookupError: the WebUI has ended (killed for want of memory, under a limit).
+        """
+        process = self.ui.process
+        pids = _session_pids(process.pid) if process is not None else []
+        now = {"RssAnon": 0, "VmRSS": 0, "VmHWM": 0}
+        found = False
+        for pid in pids:
+            fields = _status_fields(pid, ("RssAnon", "VmRSS", "VmHWM"))
+            found = found or "RssAnon" in fields  # (gone, or a zombie: no memory fields)
+            for key in ("RssAnon", "VmRSS"):
+                now[key] += fields.get(key, 0)
+            now["VmHWM"] = max(now["VmHWM"], fields.get("VmHWM", 0))
+        if not found:
+            raise ProcessLookupError("the WebUI process has ended")
+        self.anon_peak = max(self.anon_peak, now["RssAnon"])
+        self.rss_peak = max(self.rss_peak, now["VmRSS"])
+        self.hwm_peak = max(self.hwm_peak, now["VmHWM"])
+        return now
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval):
+            try:
+                self.reading()
+            except ProcessLookupError:  # ended: whoever waits on it says so
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 def _session_pids(sid: int) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():

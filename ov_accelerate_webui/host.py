@@ -129,12 +129,17 @@ def sd_models() -> ModuleType | None:
     return sys.modules.get("modules.sd_models")
 
 
+def no_half() -> bool:
+    """Whether the WebUI was started with ``--no-half`` (its models at f32, not float16)."""
+    return bool(getattr(getattr(shared(), "cmd_opts", None), "no_half", False))
+
+
 def load_precision_change() -> str | None:
     """What A1111's checkpoint load will do to the weights' precision after reading them, when it is more than
     ``model.float()`` (``--no-half``): the reason a load cannot write them at f32 as they are read; None with
     ``--no-half`` and neither fp8 nor channels-last."""
     cmd_opts = getattr(shared(), "cmd_opts", None)
-    if not getattr(cmd_opts, "no_half", False):
+    if not no_half():
         return "without --no-half A1111 converts the weights to float16 after reading them"
     if getattr(cmd_opts, "opt_channelslast", False):
         return "--opt-channelslast copies the weights after they load"

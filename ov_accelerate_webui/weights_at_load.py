@@ -231,7 +231,7 @@ def warn_if_short(checkpoint_info: Any, state_dict: dict[str, Any], precision_ch
         return None
     if memory is None:
         return None
-    size = 4 if getattr(getattr(host.shared(), "cmd_opts", None), "no_half", False) else 2
+    size = 4 if host.no_half() else 2
     need = sum(t.numel() * size for t in state_dict.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
     if need <= memory.available:
         return None

@@ -45,3 +45,15 @@ def test_the_report_says_which_runs_lived_and_how_their_pictures_compare() -> No
     assert "| stock | 6.0 | killed at its start | 0 of 6 | - | - | 6.00 | 1 | - |" in text
     assert "| auto | 6.0 | yes | 6 of 6 | 6.82 | 3.32 | 6.00 | 0 | 44.0 |" in text
     assert "Remote end closed connection without response" in text
+
+
+def test_a_webui_that_did_not_start_is_recorded_by_its_exit_and_the_extensions_warning_only() -> None:
+    from bench.session import why_not_started
+
+    log = ("the WebUI exited with -9:\nLoading weights [9b] from /home/someone/models/a.safetensors\n"
+           "WARNING:ov_accelerate_webui.weights_at_load:Accelerate with OpenVINO: loading a.safetensors [9b] as A1111 "
+           "does needs about 4.0 GiB of memory, 3.3 GiB is available")
+    kept = why_not_started(log)
+    assert kept == ("the WebUI exited with -9:\nloading a.safetensors [9b] as A1111 does needs about 4.0 GiB of "
+                    "memory, 3.3 GiB is available")
+    assert "/home/" not in kept

@@ -326,24 +326,34 @@ def worker_pids(parent: int) -> list[int]:
     return found
 
 
-def kill_a_worker_at_the_first_image(proc: subprocess.Popen, find: Callable[[], list[int]]) -> tuple[int, str, str]:
-    """Read a run's output; at its first image, SIGKILL one of the two workers ``find`` returns (waiting up to a
-    minute for both). Returns (the killed pid, stdout, stderr) once the run ended."""
+def at_the_first_image(proc: subprocess.Popen, action: Callable[[str], Any],
+                       timeout: float = 900) -> tuple[Any, str, str]:
+    """Read a run's output; at its first image, call ``action`` with the output so far (once). Returns (what
+    ``action`` returned, stdout, stderr) once the run ended."""
     seen: list[str] = []
-    killed = None
+    done, result = False, None
     for row in proc.stdout:
         seen.append(row)
-        if row.startswith("[1/6]") and killed is None:
-            deadline = time.monotonic() + 60
-            while len(workers := find()) < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert len(workers) == 2, seen
-            killed = workers[0]
-            os.kill(killed, signal.SIGKILL)
+        if row.startswith("[1/6]") and not done:
+            done, result = True, action("".join(seen))
     stderr = proc.stderr.read()
-    proc.wait(timeout=900)
-    assert killed is not None, "".join(seen) + stderr
-    return killed, "".join(seen), stderr
+    proc.wait(timeout=timeout)
+    assert done, "".join(seen) + stderr
+    return result, "".join(seen), stderr
+
+
+def kill_a_worker_at_the_first_image(proc: subprocess.Popen, find: Callable[[], list[int]]) -> tuple[int, str, str]:
+    """At the run's first image, SIGKILL one of the two workers ``find`` returns (waiting up to a minute for both).
+    Returns (the killed pid, stdout, stderr) once the run ended."""
+    def kill(seen: str) -> int:
+        deadline = time.monotonic() + 60
+        while len(workers := find()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(workers) == 2, seen
+        os.kill(workers[0], signal.SIGKILL)
+        return workers[0]
+
+    return at_the_first_image(proc, kill)
 
 
 def psnr(a: bytes, b: bytes) -> float:
@@ -375,18 +385,14 @@ def test_two_workers_with_one_killed_mid_job_make_every_image_once(one_go: tuple
 
 
 def ctrl_c_at_the_first_image(proc: subprocess.Popen, find: Callable[[], list[int]]) -> tuple[list[int], str, str]:
-    """Read a run's output; at its first image, SIGINT the command (as Ctrl-C in its terminal does). Returns (the
-    worker pids ``find`` saw then, stdout, stderr) once the run ended."""
-    seen: list[str] = []
-    workers: list[int] = []
-    for row in proc.stdout:
-        seen.append(row)
-        if row.startswith("[1/6]") and not workers:
-            workers = find()
-            proc.send_signal(signal.SIGINT)
-    stderr = proc.stderr.read()
-    proc.wait(timeout=600)
-    return workers, "".join(seen), stderr
+    """At the run's first image, SIGINT the command (as Ctrl-C in its terminal does). Returns (the worker pids
+    ``find`` saw then, stdout, stderr) once the run ended."""
+    def interrupt(_seen: str) -> list[int]:
+        workers = find()
+        proc.send_signal(signal.SIGINT)
+        return workers
+
+    return at_the_first_image(proc, interrupt, timeout=600)
 
 
 def gone(pids: list[int], within: float = 60.0) -> bool:
@@ -549,18 +555,15 @@ def test_a_whole_node_lost_mid_job_its_batch_runs_on_another_and_every_image_is_
     proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--ray", cluster.address,
                  "--ray-cpus-per-worker", "1", "--workers", "2", **auth)
     raylets = {node.all_processes["raylet"][0].process.pid: node for node in others}
-    lost = None
-    seen: list[str] = []
-    for row in proc.stdout:
-        seen.append(row)
-        if row.startswith("[1/6]") and lost is None:
-            hosts = [raylets.get(parent_pid(pid)) for pid in ray_workers()]
-            lost = next((node for node in hosts if node is not None), None)
-            assert lost is not None, ("no worker on a node besides the head", "".join(seen))
-            cluster.remove_node(lost, allow_graceful=False)
-    stdout, stderr = "".join(seen), proc.stderr.read()
-    proc.wait(timeout=900)
-    assert lost is not None, stdout + stderr
+
+    def lose_a_workers_node(seen: str) -> Any:
+        hosts = [raylets.get(parent_pid(pid)) for pid in ray_workers()]
+        lost = next((node for node in hosts if node is not None), None)
+        assert lost is not None, ("no worker on a node besides the head", seen)
+        cluster.remove_node(lost, allow_graceful=False)
+        return lost
+
+    _, stdout, stderr = at_the_first_image(proc, lose_a_workers_node)
     assert proc.returncode == 0, stdout + stderr
     assert f"Ray cluster at {cluster.address}: 3 CPU(s), 2 worker(s) of 1 CPU(s)" in stdout
     made, expected = pngs(out), pngs(reference)
