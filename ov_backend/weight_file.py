@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ov_backend.files import format_bytes
+from ov_backend.forget import ForgetLater
 from ov_backend.report import StatsCounter
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class WeightFile:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self._lock = threading.RLock()  # (weak reference callbacks take it, at any point of this thread)
+        self._forget_later = ForgetLater(self._lock)  # (never waits for it: see ov_backend.forget)
         self._taking = threading.Lock()
         self._maps: list[_Mapping] = []
         #: id -> weak reference of every tensor :meth:`take` was given: a build may have converted it since
@@ -253,6 +255,7 @@ class WeightFile:
         with self._taking:
             result = self.place(tensors)
             with self._lock:
+                self._forget_later.drain()
                 for t in tensors:
                     key = id(t)
                     self._seen[key] = weakref.ref(t, lambda ref, key=key: self._forget(key, ref))
@@ -357,9 +360,11 @@ class WeightFile:
         return out
 
     def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
-        with self._lock:
+        def remove() -> None:
             if self._seen.get(key) is ref:
                 del self._seen[key]
+
+        self._forget_later(remove)
 
     def _no_room(self, total: int) -> str | None:
         try:

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ov_backend.forget import ForgetLater
+
 try:  # xxh3 reads weights several times faster than sha256 (docs/backend-builds.md)
     import xxhash
 except ImportError:  # pragma: no cover - install.py and pyproject install it; sha256 keeps things right
@@ -117,6 +119,7 @@ class DigestMemo:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._known: dict[int, tuple[_State, bytes]] = {}
+        self._forget_later = ForgetLater(self._lock)  # (a weak reference's callback never waits for the lock)
 
     def lookup(self, t: torch.Tensor, moved: bool = False) -> bytes | None:
         """The digest remembered for ``t`` while it is unchanged; with ``moved``, even if its storage or version
@@ -132,13 +135,16 @@ class DigestMemo:
         known = self._known
 
         def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
-            with self._lock:
+            def remove() -> None:
                 entry = known.get(key)
                 if entry is not None and entry[0][0] is ref:
                     del known[key]
 
+            self._forget_later(remove)
+
         state = (weakref.ref(t, forget), t.data_ptr(), t._version)
         with self._lock:
+            self._forget_later.drain()
             known[key] = (state, digest)
 
     def clear(self) -> None:

@@ -50,7 +50,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def test_compiled_weights_move_to_the_file_and_leave_the_process(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(weight_file, "IDLE_DROP_SECONDS", 3600.0)  # (the pages PyTorch reads stay until asked)
+    # the pages PyTorch reads stay until asked: the keeper thread waits an hour, idle or packing (a drop of its
+    # own at the end of a build could come after the read below: flaky on a busy machine)
+    monkeypatch.setattr(weight_file, "IDLE_DROP_SECONDS", 3600.0)
+    monkeypatch.setattr(weight_file, "PACKING_DROP_SECONDS", 3600.0)
     model = mlp()
     params = list(model.parameters())
     backend = f32_backend(tmp_path, weights_in_file=True)
@@ -239,3 +242,69 @@ def test_fill_of_empty_tensors_makes_no_file_and_still_wraps_them(tmp_path: Path
     tensors, result = home.fill([((0, 4), torch.float32, lambda: torch.ones(0, 4))], wrap=torch.nn.Parameter)
     assert tensors is not None and isinstance(tensors[0], torch.nn.Parameter) and tensors[0].shape == (0, 4)
     assert result.moved_bytes == 0 and home.file_bytes() == 0
+
+
+_HELD_AT_EXIT = """
+import sys, threading, time, torch
+from ov_backend import WeightFile
+from ov_backend.weights import DigestMemo
+
+weights, memo = WeightFile(sys.argv[1]), DigestMemo()
+tensors = [torch.ones(64, 64) for _ in range(4)]
+weights.take(tensors)
+for t in tensors:
+    memo.remember(t, b"digest")
+held = threading.Event()
+
+def hold() -> None:  # a daemon thread frozen at the exit while it holds both locks
+    with weights._lock, memo._lock:
+        held.set()
+        time.sleep(3600)
+
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+del tensors[:2]  # their weak references' callbacks run now, on this thread
+print("dropped", flush=True)
+cycle = [tensors]  # the rest go in the exit's last collection
+cycle.append(cycle)
+del tensors, cycle
+"""
+
+
+def test_a_weak_reference_callback_never_waits_for_a_lock_another_thread_holds(tmp_path: Path) -> None:
+    """At the interpreter's exit, daemon threads are frozen where they stand: the weight file's page keeper could
+    hold the file's lock, and the exit's last collection called a callback that waited for it (the batch command
+    hung after its last image). A tensor that goes while another thread holds the lock is forgotten later."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _HELD_AT_EXIT, str(tmp_path / "weights")], cwd=root,
+                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["dropped"]
+
+
+def test_what_was_forgotten_while_the_lock_was_held_goes_at_the_next_take(tmp_path: Path) -> None:
+    import threading
+
+    weights = WeightFile(tmp_path / "weights")
+    first, second = torch.ones(8, 8), torch.ones(8, 8)
+    weights.take([first, second])
+    gone = id(first)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with weights._lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    del first  # its callback cannot take the lock now: it leaves the removal for later
+    assert gone in weights._seen and len(weights._forget_later) == 1
+    release.set()
+    holder.join()
+    weights.take([second])
+    assert gone not in weights._seen and len(weights._forget_later) == 0
