@@ -1,10 +1,11 @@
 """Routing the parts of a pipeline through ov_backend, and undoing it.
 
 Owns: which callable of each part is compiled (the UNet's forward, the VAE's encoder and
-decoder forwards, each text encoder's forward: every replacement keeps the call signature of
-what it replaces, so diffusers' sampling loop runs unchanged), the backends that hold the compiled
-models (:class:`~.backends.Backends`: at INT8, the UNet's and the float one of the other parts), and
-``restore()``. Parts not listed in ``SDSettings.accelerate`` stay in PyTorch.
+decoder forwards and the 1x1 convolutions beside them, each text encoder's forward: every
+replacement keeps the call signature of what it replaces, so diffusers' sampling loop runs
+unchanged), the backends that hold the compiled models (:class:`~.backends.Backends`: at INT8,
+the UNet's and the float one of the other parts), and ``restore()``. Parts not listed in
+``SDSettings.accelerate`` stay in PyTorch.
 
 With step caching on (``SDSettings.step_cache``), the UNet's forward runs its split methods instead
 (:mod:`.step_cache`: a full call that keeps the deep feature, a shallow call that reuses it), each compiled
@@ -61,7 +62,12 @@ class Accelerator:
         if "unet" in self.settings.accelerate:
             found.append(("unet", self.components.unet))
         if "vae" in self.settings.accelerate:
-            found += [("vae", self.components.vae.decoder), ("vae", self.components.vae.encoder)]
+            vae = self.components.vae
+            # the 1x1 convolutions beside the decoder and the encoder too: left in PyTorch, they would be VAE work
+            # not done in OpenVINO, and their sums split by PyTorch's thread count (a batch worker on 1 thread
+            # would render other bytes than one process on every core)
+            found += [("vae", m) for m in (vae.post_quant_conv, vae.decoder, vae.encoder, vae.quant_conv)
+                      if m is not None]
         if "text_encoder" in self.settings.accelerate:
             found += [("text_encoder", m) for m in self.components.text_encoders]
         return found

@@ -383,12 +383,23 @@ def _apply_weights(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     A mean of (almost) exactly zero, as a freshly initialised final LayerNorm gives, cannot be
     restored; the weighted vectors are then kept as they are instead of dividing by zero.
     """
-    mean = hidden.mean()
+    mean = _mean(hidden)
     weighted = hidden * weights
-    new_mean = weighted.mean()
-    if new_mean.abs() <= 1e-6 * weighted.abs().mean():
+    new_mean = _mean(weighted)
+    if new_mean.abs() <= 1e-6 * _mean(weighted.abs()):
         return weighted
     return weighted * (mean / new_mean)
+
+
+def _mean(values: torch.Tensor) -> torch.Tensor:
+    """The mean of every element (a 0-d tensor of ``values``' dtype), the same whatever the number of threads.
+
+    PyTorch's own ``mean()`` of a (1, 77, 768) tensor splits its sum by thread and differs in the last bit
+    between 1 and 2 threads; the batch command's workers (1 thread each) then render other bytes than one
+    process on every core. numpy sums a float64 copy on one thread, pairwise, in a fixed order.
+    """
+    exact = values.detach().to(device="cpu", dtype=torch.float64).numpy().mean()
+    return torch.tensor(exact, dtype=values.dtype, device=values.device)
 
 
 def _padded(tokens: list[int], end_id: int, pad_id: int) -> list[int]:

@@ -343,6 +343,35 @@ def test_each_token_gets_its_weight_and_the_mean_is_restored(tokenizers: dict) -
     assert torch.allclose(got.to(torch.float64), expected, rtol=1e-12, atol=0)
 
 
+class _WideEncoder(torch.nn.Module):
+    """Random float32 vectors as wide as SD 1.5's (768), a fixed function of the ids."""
+
+    def forward(self, input_ids: torch.Tensor, output_hidden_states: bool = False) -> SimpleNamespace:
+        rows = torch.Generator().manual_seed(int(input_ids.sum()))
+        hidden = torch.randn((*input_ids.shape, 768), generator=rows) * 3 + 0.25
+        return SimpleNamespace(last_hidden_state=hidden, hidden_states=(hidden,), text_embeds=None)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+                    reason="two cores")
+def test_weighted_conditioning_is_the_same_bytes_on_one_thread_and_on_two(tokenizers: dict) -> None:
+    """The mean restoration sums 77 x 768 values: PyTorch's own mean splits that sum by thread, so a batch worker
+    on one thread got other bytes than a process on every core (and pictures 1/255 apart)."""
+    encoder = PromptEncoder([tokenizers["clip"]], [_WideEncoder()], [{}])
+    # PyTorch's mean differs between 1 and 2 threads on about half of such tensors: eight prompts
+    prompts = [f"a (photo:1.{n}) of [horse], (golden hour:1.2) {'very ' * n}far" for n in range(1, 9)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [encoder.encode(prompt).embeds for prompt in prompts]
+        torch.set_num_threads(2)
+        two = [encoder.encode(prompt).embeds for prompt in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(one, two))
+    assert not torch.equal(one[0], _WideEncoder()(torch.zeros(1, 77, dtype=torch.long)).last_hidden_state)
+
+
 def test_break_and_the_negative_padded_with_empty_chunks(tokenizers: dict) -> None:
     tokenizer, encoder = tokenizers["clip"], _KnownEncoder()
     cond, uncond = PromptEncoder([tokenizer], [encoder], [{}]).encode_pair("a BREAK (horse)", "photo")
