@@ -15,7 +15,8 @@
 
 A backend variant named with a third part, ``/plain`` (``ov_dynamic/auto/plain``), converts without the
 backend's graph rewrites (its option ``rewrites=[]``, see ``ov_backend.rewrites``): what they gain, measured
-in the same run. With ``/file`` (``ov_dynamic/auto/file``) it keeps PyTorch's copy of the weights in a
+in the same run; with ``/no-<rewrite>`` (``ov_dynamic/auto/no-group_norm_reductions``), without that
+one. With ``/file`` (``ov_dynamic/auto/file``) it keeps PyTorch's copy of the weights in a
 memory-mapped file (its option ``weights_in_file``, see ``ov_backend.weight_file``): the memory it saves and
 what it costs per call, measured in the same run.
 
@@ -58,6 +59,8 @@ PRECISIONS: tuple[str, ...] = ("auto", "f32", "int8", "int8-weights")
 PLAIN = "plain"
 #: the third part of a backend variant's name that keeps PyTorch's copy of the weights in a memory-mapped file
 IN_FILE = "file"
+#: the start of the third part of a backend variant's name that turns one graph rewrite off (``/no-<rewrite>``)
+WITHOUT = "no-"
 #: kinds that run at "int8"
 INT8_KINDS: frozenset[str] = frozenset({"ov_backend", "ov_dynamic"}) | STEP_CACHE_KINDS
 #: calls recorded (at float) before an int8 variant quantizes
@@ -78,19 +81,22 @@ class VariantSpec:
         rewrites: a backend kind applies the backend's graph rewrites (False: the ``/plain`` variant).
         weights_in_file: a backend kind keeps PyTorch's copy of the weights in a memory-mapped file (the ``/file``
             variant).
+        without: the one graph rewrite a backend kind leaves out (the ``/no-<rewrite>`` variant), or "".
     """
 
     kind: str
     precision: str = "fp32"
     rewrites: bool = True
     weights_in_file: bool = False
+    without: str = ""
 
     @property
     def name(self) -> str:
         if self.kind == "eager":
             return self.kind
         return (f"{self.kind}/{self.precision}" + ("" if self.rewrites else f"/{PLAIN}")
-                + (f"/{IN_FILE}" if self.weights_in_file else ""))
+                + (f"/{IN_FILE}" if self.weights_in_file else "")
+                + (f"/{WITHOUT}{self.without}" if self.without else ""))
 
     @property
     def config(self) -> dict[str, str]:
@@ -125,11 +131,15 @@ def parse_variant(name: str) -> VariantSpec:
         raise ValueError(f"{name!r}: int8-weights is a precision of {', '.join(sorted(BACKEND_KINDS))} only")
     if precision == "int8" and kind not in INT8_KINDS:
         raise ValueError(f"{name!r}: int8 is a precision of {' and '.join(sorted(INT8_KINDS))} only")
-    if variation and (variation not in (PLAIN, IN_FILE) or kind not in BACKEND_KINDS):
-        raise ValueError(f"{name!r}: the third part is {PLAIN!r} (no graph rewrites) or {IN_FILE!r} (PyTorch's "
-                         f"weights in a memory-mapped file), for "
-                         f"{', '.join(sorted(BACKEND_KINDS))} only")
-    return VariantSpec(kind, precision, rewrites=variation != PLAIN, weights_in_file=variation == IN_FILE)
+    from ov_backend.rewrites import REWRITES
+
+    without = variation[len(WITHOUT):] if variation.startswith(WITHOUT) else ""
+    if variation and (variation not in (PLAIN, IN_FILE) and without not in REWRITES or kind not in BACKEND_KINDS):
+        raise ValueError(f"{name!r}: the third part is {PLAIN!r} (no graph rewrites), {IN_FILE!r} (PyTorch's "
+                         f"weights in a memory-mapped file) or {WITHOUT}<rewrite> (one of "
+                         f"{', '.join(REWRITES)} left out), for {', '.join(sorted(BACKEND_KINDS))} only")
+    return VariantSpec(kind, precision, rewrites=variation != PLAIN, weights_in_file=variation == IN_FILE,
+                       without=without)
 
 
 @dataclass
@@ -265,6 +275,10 @@ def _ov_backend(module: torch.nn.Module, spec: VariantSpec, cache_dir: Path, cac
     options["shared_shapes"] = "always" if spec.kind == "ov_shared" else "auto"
     if not spec.rewrites:
         options["rewrites"] = []
+    elif spec.without:
+        from ov_backend.rewrites import REWRITES
+
+        options["rewrites"] = [name for name in REWRITES if name != spec.without]
     if spec.weights_in_file:
         options["weights_in_file"] = True
     backend = OVBackend(options)

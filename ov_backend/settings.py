@@ -96,8 +96,9 @@ class BackendSettings:
             used before", says which machines have that), released otherwise or where memory cannot be read;
             "keep"; "release".
         rewrites: the graph rewrites (:mod:`ov_backend.rewrites`) applied to each converted model, by
-            name (default: all of :data:`ov_backend.rewrites.REWRITES`); each computes the same values
-            faster, and an empty list converts the graph as the frontend gives it.
+            name (default: all of :data:`ov_backend.rewrites.REWRITES`); each computes the same values,
+            faster or in the same bytes on any thread count, and an empty list converts the graph as the
+            frontend gives it.
         weights_in_file: before a graph's first conversion, move the data of its weight tensors into a
             memory-mapped file in ``cache_dir``/weights (unlinked once mapped), so that the process holds
             one copy of each weight, OpenVINO's, instead of PyTorch's beside it: the tensors keep their

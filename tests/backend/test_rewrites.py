@@ -50,7 +50,8 @@ def call(compiled, model, tokens: int) -> torch.Tensor:
 
 def stored_models(backend) -> list[ov.Model]:
     core = ov.Core()
-    return [core.read_model(str(e.path / "model.xml")) for e in backend.cache.entries()]
+    return [core.read_model(str(e.path / "model.xml")) for e in backend.cache.entries()
+            if (e.path / "model.xml").is_file()]  # (not the compiled blobs beside them)
 
 
 def splits_of_projections(model: ov.Model) -> int:
@@ -224,3 +225,63 @@ def test_a_split_of_a_constant_across_its_memory_is_left_to_the_device():
 def splits_of_constants(model: ov.Model) -> int:
     return sum(1 for op in model.get_ordered_ops() if op.get_type_name() == "VariadicSplit"
                and op.input_value(0).get_node().get_type_name() == "Constant")
+
+
+class NormBlock(torch.nn.Module):
+    """A UNet's or a VAE's resnet opening: group norm, SiLU, convolution."""
+
+    def __init__(self, channels: int = 64, groups: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = torch.nn.GroupNorm(groups, channels)
+        with torch.no_grad():  # (a fresh norm is the identity affine: give it a scale and a bias of its own)
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.nn.functional.silu(self.norm(x)))
+
+
+def group_norms(model: ov.Model) -> int:
+    return sum(1 for op in model.get_ordered_ops() if op.get_type_name() == "GroupNormalization")
+
+
+def test_a_group_norm_runs_as_reductions_and_gives_the_eager_result(tmp_path):
+    model = NormBlock().eval()
+    backend = f32_backend(tmp_path, model_caching=True)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for size in (16, 24):  # a second size: the same model, its spatial sizes dynamic
+            x = torch.randn(2, 64, size, size) * 3 + 1
+            torch.testing.assert_close(compiled(x), model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    assert backend.stats()["eager_calls"] == 0
+    stored = stored_models(backend)
+    assert stored and all(group_norms(m) == 0 for m in stored)
+    # without the rewrite, the group norm stays one op
+    torch._dynamo.reset()
+    without = f32_backend(tmp_path / "without", model_caching=True, rewrites=["split_projections"])
+    with torch.no_grad():
+        torch.compile(model, backend=without)(torch.randn(2, 64, 16, 16))
+    kept = stored_models(without)
+    assert kept and all(group_norms(m) == 1 for m in kept)
+
+
+@pytest.mark.parametrize("shape", [(1, 320, 64, 64), (2, 128, 96, 96)])
+def test_a_group_norm_as_reductions_is_the_same_bytes_on_any_number_of_threads(shape):
+    """The CPU plugin's own group norm kernel splits a group's sums between its threads (its results differ in
+    the last bit between 1 and 2 threads): batch workers on 1 thread rendered other pictures than one process
+    on 2. The rewritten model sums each group in one order, whatever the thread count."""
+    from ov_backend.rewrites import group_norm_reductions
+
+    norm = NormBlock(shape[1]).norm.eval()
+    x = torch.randn(shape) * 3 + 1
+    model = ov.convert_model(norm, example_input=(x,))
+    assert group_norms(model) == 1
+    assert group_norm_reductions(model) == 1 and group_norms(model) == 0
+    core = ov.Core()
+    outs = {threads: core.compile_model(model, "CPU", {**F32, "INFERENCE_NUM_THREADS": threads})(x.numpy())[0]
+            for threads in (1, 2, 4, 8)}
+    assert all(np.array_equal(outs[threads], outs[1]) for threads in outs)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(outs[1]), norm(x), atol=1e-5, rtol=1e-5)

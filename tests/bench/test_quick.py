@@ -72,13 +72,16 @@ def test_settings_reject_bad_values():
         build_settings({"variants": ["static/auto"]})
     with pytest.raises(ValueError, match="unknown precision"):
         build_settings({"variants": ["eager", "static/fp16"]})
-    with pytest.raises(ValueError, match="the third part is 'plain' .* or 'file'"):
+    with pytest.raises(ValueError, match="the third part is 'plain' .*, 'file' .* or no-<rewrite>"):
         build_settings({"variants": ["eager", "static/auto/plain"]})
-    with pytest.raises(ValueError, match="the third part is 'plain' .* or 'file'"):
+    with pytest.raises(ValueError, match="the third part is 'plain' .*, 'file' .* or no-<rewrite>"):
         build_settings({"variants": ["eager", "ov_dynamic/auto/fast"]})
+    with pytest.raises(ValueError, match="group_norm_reductions"):
+        build_settings({"variants": ["eager", "ov_dynamic/auto/no-such_rewrite"]})
     with pytest.raises(ValueError, match="int8-weights is a precision of"):
         build_settings({"variants": ["eager", "static/int8-weights"]})
-    chosen = ["eager", "ov_dynamic/int8/plain", "ov_dynamic/int8-weights/file"]
+    chosen = ["eager", "ov_dynamic/int8/plain", "ov_dynamic/int8-weights/file",
+              "ov_dynamic/auto/no-group_norm_reductions"]
     assert build_settings({"variants": chosen}).variants == tuple(chosen)
     with pytest.raises(ValueError, match="unknown benchmark setting"):
         build_settings({"round": 3})
