@@ -66,8 +66,9 @@ class Accelerator:
             # the 1x1 convolutions beside the decoder and the encoder too: left in PyTorch, they would be VAE work
             # not done in OpenVINO, and their sums split by PyTorch's thread count (a batch worker on 1 thread
             # would render other bytes than one process on every core)
-            found += [("vae", m) for m in (vae.post_quant_conv, vae.decoder, vae.encoder, vae.quant_conv)
-                      if m is not None]
+            # (a VAE made without them, ``use_quant_conv=False``, has None there)
+            found += [("vae", m) for m in (getattr(vae, "post_quant_conv", None), vae.decoder, vae.encoder,
+                                           getattr(vae, "quant_conv", None)) if m is not None]
         if "text_encoder" in self.settings.accelerate:
             found += [("text_encoder", m) for m in self.components.text_encoders]
         return found
@@ -90,8 +91,13 @@ class Accelerator:
             if part == "unet" and self.settings.step_cache.enabled:
                 module.forward = self._step_cached(module, counter)
             else:
+                # a class of torch itself (the VAE's 1x1 convolutions): dynamo keeps the compiled variants of every
+                # such object on the class's one forward, and a capture of it does not hold for the routed call
+                # (measured: "4 captured, 3 saved"), so each object compiles a copy of its own, unsaved
+                own_code = type(module).__module__.startswith("torch.")
                 method = CompiledMethod(module.forward, counter, VARYING_DIMS,
-                                        code=getattr(type(module).forward, "__code__", None))
+                                        code=None if own_code else getattr(type(module).forward, "__code__", None),
+                                        own_code=own_code)
                 module.forward = self._calls.watch(part, method)
             self._originals.append((module, original))
             logger.info("%s (%s) routed through ov_backend on %s", part, type(module).__name__,

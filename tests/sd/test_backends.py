@@ -123,3 +123,37 @@ def test_a_workers_threads_and_pinning_reach_the_plugins_config(tmp_path: Any) -
     for bad in ({"threads": 0}, {"threads": True}, {"cpu_pinning": "no"}):
         with pytest.raises(ValueError):
             build_sd_settings(bad)
+
+
+@pytest.mark.parametrize("quant_convs", [True, False])
+def test_the_vaes_1x1_convolutions_are_routed_with_its_decoder_and_encoder(tmp_path: Any, quant_convs: bool) -> None:
+    """diffusers' ``decode`` runs ``post_quant_conv`` before the decoder and ``encode`` ``quant_conv`` after the
+    encoder: routed too, they run in OpenVINO (in PyTorch their sums followed its thread count). A VAE made
+    without them has None there."""
+    from types import SimpleNamespace
+
+    from diffusers import AutoencoderKL
+
+    from ov_accelerate_sd.accelerate import Accelerator
+    from ov_accelerate_sd.settings import build_sd_settings
+
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4,
+                        use_quant_conv=quant_convs, use_post_quant_conv=quant_convs).eval()
+    components = SimpleNamespace(unet=torch.nn.Identity(), vae=vae, text_encoders=[])
+    settings = build_sd_settings({"accelerate": ["vae"], "cache_dir": str(tmp_path), "model_caching": False,
+                                  "precision": "f32"})
+    accelerator = Accelerator(components, settings)
+    routed = [module for _, module in accelerator.targets()]
+    expected = [vae.post_quant_conv, vae.decoder, vae.encoder, vae.quant_conv] if quant_convs \
+        else [vae.decoder, vae.encoder]
+    assert len(routed) == len(expected) and all(a is b for a, b in zip(routed, expected))
+    image = torch.rand(1, 3, 16, 16) * 2 - 1
+    with torch.no_grad():
+        want = vae.decode(vae.encode(image).latent_dist.mode()).sample
+        accelerator.apply()
+        try:
+            got = vae.decode(vae.encode(image).latent_dist.mode()).sample
+            assert accelerator.stats()["ov_calls"] == len(expected) and accelerator.stats()["eager_calls"] == 0
+        finally:
+            accelerator.restore()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
