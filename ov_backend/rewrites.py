@@ -159,15 +159,18 @@ def group_norm_reductions(model: ov.Model) -> int:
     """Rewrite in place each ``GroupNormalization`` into the reductions it stands for; returns how many.
 
     The CPU plugin's own GroupNormalization kernel splits the sums of a group between its threads: its
-    result differs in the last bit from one thread count to another (measured on every SD UNet and VAE size,
-    1 to 64 threads), and through a sampler's steps a picture by 1/255 on many pixels (45 dB on full-size SD
-    1.5 between one process on 2 threads and two workers of 1). ``ReduceMean`` over a group sums each group
-    on one thread: the same bytes on 1 to 64 threads, and as fast (``docs/backend-builds.md``).
+    result differs in the last bit from one thread count to another (measured on SD UNet and VAE shapes from
+    (2, 1280, 8, 8) to (1, 128, 512, 512), 1 to 64 threads), and through a sampler's steps a picture by 1/255
+    on many pixels (45 dB on full-size SD 1.5 between one process on 2 threads and two workers of 1).
+    ``ReduceMean`` over a group sums each group on one thread: the same bytes on 1 to 64 threads, and as fast
+    (``docs/benchmarks.md``, "Graph rewrites").
 
     For data of shape (N, C, ...) in G groups: ``x`` as (N, G, -1), ``d = x - mean(x)``,
     ``d / sqrt(mean(d * d) + eps)`` as (N, C, ...), times the scale and plus the bias of each channel:
-    PyTorch's ``group_norm``, the variance computed from the deviations as its own kernel does.
+    PyTorch's ``group_norm``, the variance computed from the deviations as its own kernel does. Data of a
+    16-bit type is normalized at f32 (as the op itself computes it) and converted back.
     """
+    f32 = ov.Type.f32
     rewritten = 0
     for norm in model.get_ordered_ops():
         if norm.get_type_name() != "GroupNormalization":
@@ -179,16 +182,22 @@ def group_norm_reductions(model: ov.Model) -> int:
         attributes = norm.get_attributes()
         groups, epsilon = int(attributes["num_groups"]), float(attributes["epsilon"])
         kind = data.get_element_type()
-        grouped = ops.reshape(data, ops.constant(np.array([0, groups, -1], dtype=np.int64)), special_zero=True)
+
+        def at_f32(value: ov.Output) -> ov.Output:
+            return value if value.get_element_type() == f32 else ops.convert(value, f32).output(0)
+
+        grouped = ops.reshape(at_f32(data), ops.constant(np.array([0, groups, -1], dtype=np.int64)),
+                              special_zero=True)
         axis = ops.constant(np.array([2], dtype=np.int64))
         deviation = ops.subtract(grouped, ops.reduce_mean(grouped, axis, keep_dims=True))
         variance = ops.reduce_mean(ops.multiply(deviation, deviation), axis, keep_dims=True)
-        eps = ops.constant(np.array(epsilon, dtype=kind.to_dtype()))
-        normed = ops.divide(deviation, ops.sqrt(ops.add(variance, eps)))
+        normed = ops.divide(deviation, ops.sqrt(ops.add(variance, ops.constant(np.float32(epsilon)))))
         shaped = ops.reshape(normed, ops.shape_of(data), special_zero=False)
         per_channel = ops.constant(np.array([-1] + [1] * (rank.get_length() - 2), dtype=np.int64))
-        out = ops.add(ops.multiply(shaped, ops.reshape(scale, per_channel, special_zero=False)),
-                      ops.reshape(bias, per_channel, special_zero=False))
+        out = ops.add(ops.multiply(shaped, ops.reshape(at_f32(scale), per_channel, special_zero=False)),
+                      ops.reshape(at_f32(bias), per_channel, special_zero=False))
+        if kind != f32:
+            out = ops.convert(out, kind)
         out.set_friendly_name(norm.get_friendly_name())
         norm.output(0).replace(out.output(0))
         rewritten += 1

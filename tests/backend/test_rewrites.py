@@ -285,3 +285,30 @@ def test_a_group_norm_as_reductions_is_the_same_bytes_on_any_number_of_threads(s
     assert all(np.array_equal(outs[threads], outs[1]) for threads in outs)
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(outs[1]), norm(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_group_norm_is_rewritten_and_normalized_at_f32(dtype):
+    """A group norm of 16-bit data (a half-precision module given to the backend): the reductions run at f32, as
+    the op itself computes, and the result comes back in the data's type (a bf16 constant for epsilon failed the
+    model's validation)."""
+    from ov_backend.rewrites import group_norm_reductions
+
+    class Half(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = NormBlock(64).norm.to(dtype)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(x.to(dtype)).float()
+
+    x = torch.randn(2, 64, 16, 16) * 3 + 1
+    model = ov.convert_model(Half().eval(), example_input=(x,))
+    norm = next(op for op in model.get_ordered_ops() if op.get_type_name() == "GroupNormalization")
+    assert norm.get_output_element_type(0) == {torch.float16: ov.Type.f16, torch.bfloat16: ov.Type.bf16}[dtype]
+    core = ov.Core()
+    want = core.compile_model(model.clone(), "CPU", F32)(x.numpy())[0]
+    assert group_norm_reductions(model) == 1 and group_norms(model) == 0
+    got = core.compile_model(model, "CPU", F32)(x.numpy())[0]
+    tolerance = {torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance)
