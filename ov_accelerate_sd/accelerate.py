@@ -141,7 +141,7 @@ class Accelerator:
         torch._dynamo.reset()
 
     def calibrate(self) -> int:
-        """At INT8 precision: quantize the UNet now on the calls recorded so far (the end of the first batch);
+        """At INT8 precision: quantize the UNet now on the calls recorded so far (the end of a batch);
         returns how many models were quantized (0 when there was nothing to quantize)."""
         return self.backends.calibrate(self.settings.backend_choice()) if self._originals else 0
 

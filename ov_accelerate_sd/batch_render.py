@@ -120,7 +120,6 @@ class BatchRenderer:
         self._accelerator: Any = None
         self._generator: Any = None
         self._init_images: dict[str, Any] = {}
-        self._calibrate_pending = False
         self.loads = 0
         self.load_seconds = 0.0
         self.reports: list[str] = []
@@ -190,7 +189,6 @@ class BatchRenderer:
                                     lora_dirs=self.options.lora_dirs or webui_lora_dirs(checkpoint))
         self._accelerator = accelerator
         self._setup = line.setup
-        self._calibrate_pending = settings.backend_choice().quantized
         self._say(f"OpenVINO on {settings.device} for {'+'.join(settings.accelerate)} at {settings.precision}"
                   + (f", step caching every {line.step_cache}" if line.step_cache > 1 else "")
                   if settings.accelerate else "every part in PyTorch (--pytorch)")
@@ -212,13 +210,26 @@ class BatchRenderer:
             Interrupted: ``should_stop`` said so; nothing of the batch is returned.
         """
         self._use(line)
-        images = self._generator.run_batch(job_for(line, seed, self._init_images), batch, on_step, should_stop)
-        if self._calibrate_pending:
-            self._calibrate_pending = False
-            if self._accelerator.calibrate():
-                self._say("INT8: " + "; ".join(r.summary() for r in self._accelerator.backends.reports()
-                                               if r.route == "int8"))
+        job = job_for(line, seed, self._init_images)
+        images = self._generator.run_batch(job, batch, on_step, should_stop)
+        if self._calibrate():
+            # the batch ran (part of) the UNet at float while it was recorded: rendered again, every INT8 image comes
+            # from the INT8 model, whether it was calibrated in this run or read from the disk cache
+            images = self._generator.run_batch(job, batch, on_step, should_stop)
         return images
+
+    def _calibrate(self) -> bool:
+        """At INT8: quantize every UNet graph that recorded calls in the batch just rendered; whether any was. A graph
+        is so calibrated on its first batch alone, whatever follows it: with a batch of fewer calls than
+        ``calibration_samples`` it would otherwise go on recording into the next batch of its shape, and the pictures
+        of that batch would depend on where a run started (a resumed run would calibrate on other calls)."""
+        backends = self._accelerator.backends
+        mark = backends.mark()
+        if not self._accelerator.calibrate():
+            return False
+        made = [r for r in backends.reports_since(mark) if r.route == "int8"]
+        self._say("INT8: " + "; ".join(r.summary() for r in made) + "; the batch renders again at INT8")
+        return True
 
     def stats(self) -> dict[str, float]:
         """The backend counters of every routing so far, the current one included, summed."""

@@ -306,6 +306,14 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
                     times.batch_started()
                     try:
                         images = generator.run_batch(job, batch, on_step, lambda: stop.requested)
+                        # at INT8 each UNet graph is quantized at the end of its first batch, on that batch's calls
+                        # alone; the batch, which ran the UNet at float while it was recorded, renders again at INT8
+                        mark = accelerator.backends.mark()
+                        if accelerator.calibrate():
+                            quantizing = [r for r in accelerator.backends.reports_since(mark) if r.route == "int8"]
+                            _out("INT8: " + "; ".join(r.summary() for r in quantizing)
+                                 + "; the batch renders again at INT8")
+                            images = generator.run_batch(job, batch, on_step, lambda: stop.requested)
                     except Interrupted:
                         times.batch_dropped()
                         raise
@@ -314,9 +322,6 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
                     finally:
                         bar.close()
                     times.batch_done(len(images))
-                    if times.batches == 1 and accelerator.calibrate():
-                        quantizing = [r for r in accelerator.backends.reports() if r.route == "int8"]
-                        _out("INT8: " + "; ".join(r.summary() for r in quantizing))
                     for item in images:
                         path = args.out / f"{number:05d}-{item.seed}.png"
                         number += 1

@@ -180,6 +180,55 @@ def test_killed_mid_job_and_resumed_gives_the_same_images_bit_for_bit(one_go: tu
     assert "6 already in" in stdout and "0 to render" in stdout and "0 image(s) rendered" in stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("nncf") is None, reason="nncf is not installed")
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_an_int8_job_gives_the_same_images_killed_and_resumed_and_on_a_warm_cache(tmp_path: Path,
+                                                                                   sd1_checkpoint: Path) -> None:
+    """Each size's UNet graph is quantized on its first batch alone (5 calls, fewer than the 8 a graph records at
+    most: it used to go on recording into the next batch of its size), and that batch renders again at INT8."""
+    job = write_jobs(tmp_path / "job.jsonl", [
+        {"prompt": "a red barn", "seed": 11},
+        {"prompt": "a blue boat", "seed": 20, "width": 96, "batch_size": 2},
+        {"prompt": "a green field", "seed": 30},
+        {"prompt": "a blue cat", "seed": 60, "width": 96, "batch_size": 2},
+    ])
+
+    def args(cache: str, out: str) -> list[str]:
+        return [str(job), "--checkpoint", str(sd1_checkpoint), "--width", "64", "--height", "64", "--steps", "5",
+                "--precision", "int8", "--cache-dir", str(tmp_path / cache), "--out", str(tmp_path / out)]
+
+    proc = batch(*args("cache", "one-go"))
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr
+    quantized = [row for row in stdout.splitlines() if row.startswith("INT8: ")]
+    assert len(quantized) == 2, stdout  # one graph a size, each on its first batch's 5 calls
+    assert all("calibrated on 5 recorded call(s)" in row and row.endswith("the batch renders again at INT8")
+               for row in quantized), quantized
+    reference = pngs(tmp_path / "one-go")
+    assert len(reference) == 6
+
+    # killed once the second size's batch is saved, then resumed, on a disk cache of its own
+    proc = batch(*args("cache-killed", "killed"))
+    for row in proc.stdout:
+        if row.startswith("[3/6]"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert 3 <= len(pngs(tmp_path / "killed")) < 6
+    proc = batch(*args("cache-killed", "killed"))
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr
+    assert pngs(tmp_path / "killed") == reference
+
+    # again into a new folder: the INT8 models come from the cache, nothing runs at float
+    proc = batch(*args("cache", "warm"))
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr
+    assert not [row for row in stdout.splitlines() if row.startswith("INT8: ")], stdout
+    assert pngs(tmp_path / "warm") == reference
+
+
 def test_a_torn_record_and_a_half_written_png_are_redone(tmp_path: Path, sd1_checkpoint: Path) -> None:
     jobs = write_jobs(tmp_path / "j.jsonl", [{"prompt": "a cat", "seed": 3, "batch_count": 2}])
     out = tmp_path / "out"

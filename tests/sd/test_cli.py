@@ -402,6 +402,8 @@ def test_generate_reports_calls_dynamo_ran_in_pytorch(tmp_path: Path, sd1_checkp
 
 @pytest.mark.skipif(importlib.util.find_spec("nncf") is None, reason="nncf is not installed")
 def test_int8_calibrates_on_the_first_batch_and_a_new_run_reads_it_from_the_cache(tmp_path: Path) -> None:
+    """The first batch is recorded at float, the UNet quantized, the batch rendered again at INT8: its image is the
+    one a run that reads the INT8 model from the cache makes."""
     cache = tmp_path / "cache"
     args = ["-v", "generate", "--demo", "--prompt", "a cat", *SMALL, "--seed", "3", "--precision", "int8",
             "--cache-dir", str(cache)]
@@ -411,6 +413,7 @@ def test_int8_calibrates_on_the_first_batch_and_a_new_run_reads_it_from_the_cach
     # the first batch's 2 steps ran at float and were recorded; the UNet was quantized after it
     (line,) = [x for x in stdout.splitlines() if x.startswith("INT8: ")]
     assert "INT8 quantization; calibrated on 2 recorded call(s)" in line
+    assert line.endswith("the batch renders again at INT8")
     assert "INT8 model" in stderr and "int8" in stderr  # the second batch's UNet report (-v)
     info = parse_infotext(read_png_infotext(tmp_path / "first" / "00001-4.png"))
     assert info["OpenVINO"].endswith(", int8"), info["OpenVINO"]
@@ -420,6 +423,8 @@ def test_int8_calibrates_on_the_first_batch_and_a_new_run_reads_it_from_the_cach
     assert proc.returncode == 0, stderr
     assert not [x for x in stdout.splitlines() if x.startswith("INT8: ")]  # nothing to calibrate again
     assert "INT8 model from the cache" in stderr
+    first = (tmp_path / "first" / "00000-3.png").read_bytes()
+    assert (tmp_path / "again" / "00000-3.png").read_bytes() == first
 
 
 def test_int8_without_nncf_is_a_usage_error(monkeypatch, capsys) -> None:
