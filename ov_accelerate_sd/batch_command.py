@@ -16,7 +16,7 @@ import argparse
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +272,8 @@ def run_batch(parser: argparse.ArgumentParser, args: Any) -> int:
                 if missing:
                     groups.setdefault(line.setup, []).append((line, seed, batch, missing))
         tasks = [task for group in groups.values() for task in group]
+        # every line, rendered or not: at INT8 a graph calibrates on the job's first batch of it, wherever it renders
+        options = replace(options, order=tuple((line, seeds[line.number]) for line in lines))
         renderer = BatchRenderer(options, _out)
         cluster = _cluster(parser, args, lines, options, renderer) if args.ray and tasks else None
         plan = _workers(parser, args, lines, len(tasks), renderer) if not args.ray else None

@@ -49,6 +49,10 @@ class RenderOptions:
     """Folders of the LoRA files prompts name; empty: the WebUI's ``models/Lora`` beside each checkpoint."""
     demo_folder: str | None = field(default=None, compare=False)
     """Where the demo checkpoint is built (None: the per-user cache)."""
+    order: tuple[tuple[JobLine, int], ...] = field(default=(), compare=False, repr=False)
+    """The job's lines with their seeds, every one, rendered or not: at INT8 each UNet graph is calibrated on the
+    first batch, in this order (a setup's lines in the file's order), that runs it, whichever process renders it
+    and wherever a run started (empty: on the first batch this renderer gives it)."""
 
     def settings(self, precision: str, step_cache: int) -> Any:
         """The SD layer's settings for one line's precision and step caching interval."""
@@ -103,6 +107,14 @@ def job_for(line: JobLine, seed: int, init_images: dict[str, Any] | None = None)
     )
 
 
+class _NeedsCalibration(Exception):
+    """A UNet call would calibrate the INT8 model ``key`` on a batch that is not the job's first to run it."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
 class BatchRenderer:
     """Renders batches of job lines, keeping the model of the last line's setup loaded and routed.
 
@@ -122,6 +134,11 @@ class BatchRenderer:
         self._init_images: dict[str, Any] = {}
         self.loads = 0
         self.load_seconds = 0.0
+        self._watch: Callable[[str, bool], bool] | None = None
+        self._said: Any = None
+        #: a class of batches (:meth:`_class_of`) -> the INT8 models (cache keys) its UNet calls run or calibrate
+        self._graphs: dict[tuple, frozenset[str]] = {}
+        self._classes: dict[tuple[int, str], tuple] = {}
         self.reports: list[str] = []
         """The compile reports of the routings this renderer ended (what each graph's build did)."""
         self.backend_stats: dict[str, float] = {}
@@ -189,6 +206,12 @@ class BatchRenderer:
                                     lora_dirs=self.options.lora_dirs or webui_lora_dirs(checkpoint))
         self._accelerator = accelerator
         self._setup = line.setup
+        self._graphs.clear()
+        self._classes.clear()
+        self._said = accelerator.backends.mark()
+        if settings.backend_choice().quantized and "unet" in settings.accelerate:
+            unet = accelerator.backends.backend(settings.backend_choice().for_part("unet"))
+            unet.watch_int8(lambda key, quantized: self._watch(key, quantized) if self._watch is not None else True)
         self._say(f"OpenVINO on {settings.device} for {'+'.join(settings.accelerate)} at {settings.precision}"
                   + (f", step caching every {line.step_cache}" if line.step_cache > 1 else "")
                   if settings.accelerate else "every part in PyTorch (--pytorch)")
@@ -210,26 +233,161 @@ class BatchRenderer:
             Interrupted: ``should_stop`` said so; nothing of the batch is returned.
         """
         self._use(line)
-        job = job_for(line, seed, self._init_images)
-        images = self._generator.run_batch(job, batch, on_step, should_stop)
-        if self._calibrate():
+        if not self._int8():
+            return self._generator.run_batch(job_for(line, seed, self._init_images), batch, on_step, should_stop)
+        task = (line, seed, batch)
+        images, recorded = self._calibrated(task, on_step, should_stop)
+        self._calibrate("the batch renders again at INT8")
+        if recorded:
             # the batch ran (part of) the UNet at float while it was recorded: rendered again, every INT8 image comes
-            # from the INT8 model, whether it was calibrated in this run or read from the disk cache
-            images = self._generator.run_batch(job, batch, on_step, should_stop)
+            # from the INT8 model, whether it was calibrated in this run, in another process or read from the cache
+            images, _ = self._calibrated(task, on_step, should_stop)
         return images
 
-    def _calibrate(self) -> bool:
-        """At INT8: quantize every UNet graph that recorded calls in the batch just rendered; whether any was. A graph
-        is so calibrated on its first batch alone, whatever follows it: with a batch of fewer calls than
+    def _int8(self) -> bool:
+        return self._accelerator is not None and self._accelerator.settings.backend_choice().quantized
+
+    def _calibrated(self, task: tuple[JobLine, int, int], on_step: Callable[[int, int], None] | None,
+                    should_stop: Callable[[], bool] | None, sampling_only: bool = False) -> tuple[list[Any], bool]:
+        """``task`` rendered at INT8 (``sampling_only``: up to its last sampling step; no images): each UNet graph
+        it runs without an INT8 model is calibrated on the job's first batch that runs it: on this one if it is
+        that batch (its float calls are then recorded), else on that batch sampled here first, its images not
+        made. Returns the images and whether calls were recorded."""
+        allowed: set[str] = set()
+        sampled: set[str] = set()
+        while True:
+            try:
+                return self._run(task, allowed, on_step, should_stop, sampling_only)
+            except _NeedsCalibration as need:
+                if need.key in sampled:  # the batch sampled for it did not run it: the classes missed a difference
+                    logger.warning("INT8: the batch sampled to calibrate a UNet graph line %d runs did not run it; "
+                                   "line %d calibrates it", task[0].number, task[0].number)
+                    allowed.add(need.key)
+                    continue
+                first = self._first_batch_of(need.key, task, should_stop)
+                if first is None:
+                    allowed.add(need.key)
+                    continue
+                sampled.add(need.key)
+                self._say(f"INT8: line {first[0].number} (batch {first[2] + 1}) is the job's first batch to run a "
+                          f"UNet graph line {task[0].number} runs: its steps are sampled here to calibrate it, "
+                          "no image saved")
+                self._calibrated(first, None, should_stop, sampling_only=True)
+                self._calibrate("")
+
+    def _run(self, task: tuple[JobLine, int, int], allowed: set[str] | None,
+             on_step: Callable[[int, int], None] | None, should_stop: Callable[[], bool] | None,
+             sampling_only: bool) -> tuple[list[Any], bool]:
+        """One run of ``task`` under the INT8 watch: a float UNet call records for the models in ``allowed``, raises
+        :class:`_NeedsCalibration` for the others (``allowed`` None: records for none, raises for none). The INT8
+        models its calls ran or recorded for are kept as its class's (a run that went through every step only)."""
+        from .pipeline import Interrupted
+
+        line, seed, batch = task
+        self._use(line)
+        seen: set[str] = set()
+        recorded = False
+        sampled = False
+
+        def watch(key: str, quantized: bool) -> bool:
+            nonlocal recorded
+            seen.add(key)
+            if quantized or allowed is None:
+                return False
+            if key not in allowed:
+                raise _NeedsCalibration(key)
+            recorded = True
+            return True
+
+        def step(done: int, total: int) -> None:
+            nonlocal sampled
+            sampled = done >= total
+            if on_step is not None:
+                on_step(done, total)
+
+        def stop() -> bool:
+            return (sampling_only and sampled) or (should_stop is not None and should_stop())
+
+        self._watch = watch
+        try:
+            images = self._generator.run_batch(job_for(line, seed, self._init_images), batch, step, stop)
+        except Interrupted:
+            if not (sampling_only and sampled) or (should_stop is not None and should_stop()):
+                raise
+            images = []
+        finally:
+            self._watch = None
+        self._graphs[self._class_of(task)] = frozenset(seen)
+        return images, recorded
+
+    def _class_of(self, task: tuple[JobLine, int, int]) -> tuple:
+        """What decides which UNet graphs a batch runs, and the weights they run with: batches of one class run the
+        same INT8 models. Finer than the graphs is safe (it costs a sampling to learn a class's graphs); coarser
+        would not be (the LoRAs, the size and batch size, the sampler, img2img, the prompt's chunks of 75 tokens)."""
+        from .lora import parse_prompt_loras
+
+        line = task[0]
+        known = self._classes.get((line.number, line.setup))
+        if known is not None:
+            return known
+        try:
+            text, refs = parse_prompt_loras(line.prompt)
+            encoder = self._generator.prompt_encoder(line.clip_skip)
+            chunks = max(encoder.chunk_count(text), encoder.chunk_count(line.negative_prompt))
+            made: tuple = (line.setup, tuple(sorted(map(repr, refs))), line.width, line.height, line.batch_size,
+                           line.sampler, bool(line.init_image), chunks)
+        except Exception:  # a line whose prompt does not parse: a class of its own
+            made = ("line", line.number)
+        self._classes[(line.number, line.setup)] = made
+        return made
+
+    def _first_batch_of(self, key: str, task: tuple[JobLine, int, int],
+                        should_stop: Callable[[], bool] | None) -> tuple[JobLine, int, int] | None:
+        """The job's first batch (in :attr:`RenderOptions.order`) whose UNet runs the INT8 model ``key``, when it is
+        not ``task`` (None: ``task`` is). The graphs of a class of batches before ``task``'s first are learnt by
+        sampling one of them (no image saved), once."""
+        from .pipeline import Interrupted
+
+        line = task[0]
+        mine = self._class_of(task)
+        for other, seed in self.options.order:
+            if other.setup != line.setup:
+                continue
+            for batch in range(other.batch_count):
+                candidate = (other, seed, batch)
+                if other.number == line.number and batch == task[2]:
+                    return None
+                kind = self._class_of(candidate)
+                if kind == mine:
+                    return candidate
+                if kind not in self._graphs:
+                    self._say(f"INT8: line {other.number}'s steps are sampled once, no image saved, to learn which "
+                              "UNet graphs it runs (the job's first batch of a graph calibrates it)")
+                    try:
+                        self._run(candidate, None, None, should_stop, sampling_only=True)
+                    except Interrupted:
+                        raise
+                    except Exception as exc:  # the line cannot render (a LoRA not found...): it calibrates nothing
+                        logger.info("INT8: line %d cannot render (%s); it runs no UNet graph", other.number, exc)
+                        self._graphs[kind] = frozenset()
+                if key in self._graphs[kind]:
+                    return candidate
+        return None
+
+    def _calibrate(self, then: str) -> bool:
+        """At INT8: quantize every UNet graph that recorded calls in the run just made; whether any was quantized
+        since the last call (said with ``then``). A graph is
+        so calibrated on its first batch alone, whatever follows it: with a batch of fewer calls than
         ``calibration_samples`` it would otherwise go on recording into the next batch of its shape, and the pictures
         of that batch would depend on where a run started (a resumed run would calibrate on other calls)."""
         backends = self._accelerator.backends
-        mark = backends.mark()
-        if not self._accelerator.calibrate():
-            return False
-        made = [r for r in backends.reports_since(mark) if r.route == "int8"]
-        self._say("INT8: " + "; ".join(r.summary() for r in made) + "; the batch renders again at INT8")
-        return True
+        self._accelerator.calibrate()
+        # the quantizations since the last said: at the end of the run, or during it (at calibration_samples calls)
+        made = [r for r in backends.reports_since(self._said) if r.route == "int8"]
+        self._said = backends.mark()
+        if made:
+            self._say("INT8: " + "; ".join(r.summary() for r in made) + (f"; {then}" if then else ""))
+        return bool(made)
 
     def stats(self) -> dict[str, float]:
         """The backend counters of every routing so far, the current one included, summed."""

@@ -305,12 +305,14 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
 
                     times.batch_started()
                     try:
-                        images = generator.run_batch(job, batch, on_step, lambda: stop.requested)
-                        # at INT8 each UNet graph is quantized at the end of its first batch, on that batch's calls
-                        # alone; the batch, which ran the UNet at float while it was recorded, renders again at INT8
                         mark = accelerator.backends.mark()
-                        if accelerator.calibrate():
-                            quantizing = [r for r in accelerator.backends.reports_since(mark) if r.route == "int8"]
+                        images = generator.run_batch(job, batch, on_step, lambda: stop.requested)
+                        # at INT8 each UNet graph is quantized on its first batch's calls alone (during the batch at
+                        # calibration_samples calls, else at its end); the batch, which ran the UNet at float while
+                        # it was recorded, renders again at INT8
+                        accelerator.calibrate()
+                        quantizing = [r for r in accelerator.backends.reports_since(mark) if r.route == "int8"]
+                        if quantizing:
                             _out("INT8: " + "; ".join(r.summary() for r in quantizing)
                                  + "; the batch renders again at INT8")
                             images = generator.run_batch(job, batch, on_step, lambda: stop.requested)

@@ -323,6 +323,10 @@ class PromptEncoder:
         comma = tokenizer.get_vocab().get(",</w>")
         return chunk_tokens(pieces, tokenizer.bos_token_id, tokenizer.eos_token_id, comma)
 
+    def chunk_count(self, prompt: str) -> int:
+        """How many chunks of 75 tokens ``prompt`` is encoded in (no encoder runs: the tokenizer's count)."""
+        return len(self._chunks(self.tokenizers[0], prompt))
+
     def _run(self, index: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         encoder, spec = self.text_encoders[index], self.specs[index]
         out = encoder(tokens, output_hidden_states=True)

@@ -184,6 +184,16 @@ class OVBackend:
             graphs = list(self._graphs)
         return sum(graph.calibrate() for graph in graphs)
 
+    def watch_int8(self, callback: Callable[[str, bool], bool] | None) -> None:
+        """At precision "int8": ``callback(key, quantized)`` is called on every call of a graph, with the cache key
+        of the graph's INT8 model for the call's weights, and whether the call runs that model (False: it runs at
+        float, the model not made yet). For a float call it returns whether the call's inputs are recorded for the
+        model's calibration; it may raise, to stop the call before anything is recorded or run (the exception
+        reaches the caller). An owner so chooses which calls calibrate a model (a batch job: the first batch, in
+        the job's order, that runs it). None (the default): every float call is recorded, up to
+        ``calibration_samples``."""
+        self.build_context.int8_watch.callback = callback
+
     def start_window(self, previous_weights: str | None = None) -> None:
         """Start a use window: from now on, a graph that builds a model first releases its compiled
         models that no call used since this point (see :class:`ov_backend.variants.UseWindow`).

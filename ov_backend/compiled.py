@@ -22,6 +22,7 @@ import torch
 from ov_backend.build import GraphBuilder
 from ov_backend.context import BuildContext
 from ov_backend.inputs import GraphFacts, GraphInputs, signature, signature_text
+from ov_backend.quantize import CallStopped
 from ov_backend.variants import ModelReleased, WeightSet, WeightVariants, keep_previous_weights
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,8 @@ class CompiledGraph:
                         del store.variants[sig]
                 fp, store, variant, built = self._variant(sig, user_values, weight_values)
                 result = self._run(variant, built, user_values)
+        except CallStopped as stopped:  # the owner's INT8 watch stopped the call: no failure of OpenVINO
+            raise stopped.error from None
         except Exception as err:  # OpenVINO runtime errors come as RuntimeError and others
             if not variant.in_openvino:
                 raise

@@ -27,6 +27,7 @@ import openvino as ov
 from ov_backend import cache_limit
 from ov_backend.cache import ModelCache
 from ov_backend.precision import COMPRESSED_PRECISIONS
+from ov_backend.quantize import CalibrationWatch
 from ov_backend.report import CompileReport, PartitionReport, StatsCounter
 from ov_backend.settings import BackendSettings
 from ov_backend.variants import SharedModels, UseWindow
@@ -59,6 +60,8 @@ class BuildContext:
             since their last call (argument: the graph asking, left alone); returns how many went.
         weights: where weights move before their first conversion (``BackendSettings.weights_in_file``).
         building: per thread, the cache keys the build running in it loaded, stored or had OpenVINO write.
+        int8_watch: at precision "int8": which float calls are recorded for calibration (the backend's owner
+            says, :meth:`ov_backend.backend.OVBackend.watch_int8`).
     """
 
     settings: BackendSettings
@@ -74,6 +77,7 @@ class BuildContext:
     release_stale: Callable[[Any], int] = lambda asking: 0
     weights: WeightHome | None = None
     building: threading.local = field(default_factory=threading.local)
+    int8_watch: CalibrationWatch = field(default_factory=CalibrationWatch)
 
     @contextmanager
     def using_cache(self) -> Iterator[list[str]]:

@@ -1,8 +1,9 @@
 """INT8: a graph's float model quantized with NNCF, calibrated on the graph's own calls.
 
 Owns :class:`Calibration` (the inputs of a graph's first calls at float precision, for one set of
-weights), :func:`quantize` (NNCF's post-training quantization of the converted OpenVINO model: weights
-and activations to 8 bits, the quality-sensitive edges kept at float), the NNCF check
+weights), :class:`CalibrationWatch` (which of those calls the backend's owner lets record),
+:func:`quantize` (NNCF's post-training quantization of the converted OpenVINO model: weights and activations
+to 8 bits, the quality-sensitive edges kept at float), the NNCF check
 (:func:`nncf_problem`) and :func:`calibration_key`, the part of an INT8 model's cache key that says how
 it was quantized.
 
@@ -18,7 +19,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,47 @@ def calibration_key(samples: int) -> dict[str, Any]:
     return {"nncf": nncf_version(), "samples": samples, "preset": "mixed", "model_type": "transformer",
             "edges_at_float": True, "overflow_fix": "disable" if exact else "enable", "matmuls_at_float": not exact,
             **({} if exact else {"at_float": list(NO_VNNI_AT_FLOAT)})}
+
+
+class CallStopped(Exception):
+    """The owner's :class:`CalibrationWatch` stopped a call: ``error`` is what it raised (the graph's caller gets
+    it; it is no OpenVINO failure, so the graph does not fall back to PyTorch)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class CalibrationWatch:
+    """What the owner of a backend says about the calls of its graphs at precision "int8" (see
+    :meth:`ov_backend.backend.OVBackend.watch_int8`); nothing by default: every float call is recorded.
+
+    The callback gets the INT8 model's cache key and whether the call runs that model (False: the call runs at
+    float, for want of it, and its inputs can be recorded). For a float call it returns whether the call's inputs
+    are recorded for the model's calibration, or raises to stop the call before anything is recorded or run.
+    """
+
+    def __init__(self) -> None:
+        self.callback: Callable[[str, bool], bool] | None = None
+
+    def records(self, key: str) -> bool:
+        """Whether a float call of the graph whose INT8 model is ``key`` is recorded (may raise: see the class)."""
+        callback = self.callback
+        if callback is None:
+            return True
+        try:
+            return bool(callback(key, False))
+        except Exception as err:
+            raise CallStopped(err) from err
+
+    def runs_quantized(self, key: str) -> None:
+        """A call runs the INT8 model ``key``."""
+        callback = self.callback
+        if callback is not None:
+            try:
+                callback(key, True)
+            except Exception as err:
+                raise CallStopped(err) from err
 
 
 class Calibration:

@@ -179,6 +179,10 @@ class Variant:
         """False once the model it borrowed is gone (the graph builds the signature again)."""
         return self._usable is None or self._usable()
 
+    def running(self, run: Callable[[Sequence[Any]], Any]) -> Variant:
+        """This variant with another ``run`` (one wrapping this one's), the rest the same."""
+        return Variant(run, self.in_openvino, self.releasable, self.calibration, self.compiled_for, self._usable)
+
 
 def eager_variant(inputs: GraphInputs, weight_values: Sequence[torch.Tensor],
                   usable: Callable[[], bool] | None = None) -> Variant:

@@ -154,8 +154,9 @@ class DynamicBuilds:
         runner = OVRunner(compiled, self.target.inputs.output_dtypes())
         logger.info("OpenVINO compiled %s", report.summary())
         variant = running(runner, FOR_ONE_SHAPE)
-        if self.int8 is not None and int8_key is not None and not part.quantized:
-            variant = self.int8.recording(variant, store, None, base, int8_key, report, list)
+        if self.int8 is not None and int8_key is not None:
+            variant = (self.int8.watched(variant, int8_key) if part.quantized
+                       else self.int8.recording(variant, store, None, base, int8_key, report, list))
         return variant
 
     def _convert(self, user_values: Sequence[Any], weight_values: Sequence[torch.Tensor],

@@ -64,14 +64,27 @@ class Int8Builds:
             return variant
         report.calibrating = calibration.limit
         float_run = variant.run
+        watch = self.target.context.int8_watch
 
         def run(user: Sequence[Any]) -> Any:
             tensors = select(user)
-            if quantize.recordable(tensors):
+            if quantize.recordable(tensors) and watch.records(key):
                 calibration.record(tensors)
             return float_run(user)
 
         return Variant(run, in_openvino=True, releasable=variant.releasable, calibration=calibration)
+
+    def watched(self, variant: Variant, key: str) -> Variant:
+        """``variant``, which runs the INT8 model ``key``, telling the backend's owner of each call
+        (:class:`~ov_backend.quantize.CalibrationWatch`)."""
+        watch = self.target.context.int8_watch
+        quantized_run = variant.run
+
+        def run(user: Sequence[Any]) -> Any:
+            watch.runs_quantized(key)
+            return quantized_run(user)
+
+        return variant.running(run)
 
     def static(self, sig: tuple[Any, ...], user_values: Sequence[Any], weight_values: Sequence[torch.Tensor],
                fingerprint: str, report: CompileReport, store: WeightSet, static: StaticBuilds) -> Variant:
@@ -83,7 +96,7 @@ class Int8Builds:
         if quantized is not None:
             variant = static.whole_graph_variant(quantized, part, report)
             if variant is not None:
-                return variant
+                return self.watched(variant, int8_key)
         variant = static.build(sig, user_values, weight_values, fingerprint, report)
         model = static.whole_model(sig, fingerprint, weight_values)
         if model is None or not variant.in_openvino:

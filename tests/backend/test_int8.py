@@ -169,6 +169,52 @@ def test_calibrate_quantizes_on_the_calls_recorded_so_far(tmp_path):
     assert backend.reports[-1].quantized
 
 
+class Refused(Exception):
+    pass
+
+
+def test_the_owner_chooses_which_float_calls_calibrate_and_hears_of_every_call(tmp_path):
+    """``watch_int8``: a call the watch does not let record runs at float and is not recorded; one it stops never
+    runs; the calls it lets record calibrate the model; every call names the INT8 model's key."""
+    model = ConvAttention().eval()
+    backend = int8_backend(tmp_path / "cache", samples=50)
+    compiled = torch.compile(model, backend=backend)
+    heard: list[tuple[str, bool]] = []
+    let = {"record": False, "stop": False}
+
+    def watch(key: str, quantized: bool) -> bool:
+        heard.append((key, quantized))
+        if let["stop"] and not quantized:
+            raise Refused(key)
+        return let["record"]
+
+    backend.watch_int8(watch)
+    with torch.no_grad():
+        x, context = inputs(0)
+        assert rel_error(compiled(x, context), model(x, context)) < 0.02  # at float (bf16 where the CPU has it)
+        assert backend.calibrate() == 0  # not recorded: nothing to quantize
+        let["stop"] = True
+        with pytest.raises(Refused):
+            compiled(*inputs(1))
+        assert backend.calibrate() == 0
+        let["stop"], let["record"] = False, True
+        for seed in (2, 3):
+            compiled(*inputs(seed))
+        assert backend.calibrate() == 1
+        compiled(*inputs(4))
+    keys = {key for key, _ in heard}
+    assert len(keys) == 1 and [q for _, q in heard] == [False, False, False, False, True]
+    (entry,) = int8_entries(backend)
+    assert [r.partitions[0].calibration_samples for r in backend.reports if r.route == "int8"] == [2]
+    assert backend.stats()["quantized"] == 1
+    backend.watch_int8(None)  # no watch: calls record again (new weights, a new model)
+    with torch.no_grad():
+        model.conv_b.weight.mul_(1.5)
+        compiled(*inputs(5))
+        assert backend.calibrate() == 1
+    assert len(heard) == 5
+
+
 def test_new_weights_run_at_float_and_are_quantized_again(tmp_path):
     model = ConvAttention().eval()
     backend = int8_backend(tmp_path / "cache", samples=2)

@@ -180,53 +180,114 @@ def test_killed_mid_job_and_resumed_gives_the_same_images_bit_for_bit(one_go: tu
     assert "6 already in" in stdout and "0 to render" in stdout and "0 image(s) rendered" in stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nncf") is None, reason="nncf is not installed")
-@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
-def test_an_int8_job_gives_the_same_images_killed_and_resumed_and_on_a_warm_cache(tmp_path: Path,
-                                                                                   sd1_checkpoint: Path) -> None:
-    """Each size's UNet graph is quantized on its first batch alone (5 calls, fewer than the 8 a graph records at
-    most: it used to go on recording into the next batch of its size), and that batch renders again at INT8."""
-    job = write_jobs(tmp_path / "job.jsonl", [
+NEEDS_NNCF = pytest.mark.skipif(importlib.util.find_spec("nncf") is None, reason="nncf is not installed")
+
+
+@pytest.fixture(scope="module")
+def int8_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two sizes at INT8, 5 steps (5 UNet calls a batch: fewer than the 8 a graph records at most); lines 1 and 2
+    run the same graph, so two workers start it at once."""
+    return write_jobs(tmp_path_factory.mktemp("int8-job") / "job.jsonl", [
         {"prompt": "a red barn", "seed": 11},
-        {"prompt": "a blue boat", "seed": 20, "width": 96, "batch_size": 2},
-        {"prompt": "a green field", "seed": 30},
+        {"prompt": "a blue boat on a lake", "seed": 20},
+        {"prompt": "a green field", "seed": 30, "width": 96, "batch_size": 2},
+        {"prompt": "a yellow kite", "seed": 40},
         {"prompt": "a blue cat", "seed": 60, "width": 96, "batch_size": 2},
     ])
 
-    def args(cache: str, out: str) -> list[str]:
-        return [str(job), "--checkpoint", str(sd1_checkpoint), "--width", "64", "--height", "64", "--steps", "5",
-                "--precision", "int8", "--cache-dir", str(tmp_path / cache), "--out", str(tmp_path / out)]
 
-    proc = batch(*args("cache", "one-go"))
+def int8_options(job: Path, checkpoint: Path, cache: Path | None, out: Path) -> list[str]:
+    return [str(job), "--checkpoint", str(checkpoint), "--width", "64", "--height", "64", "--steps", "5",
+            "--precision", "int8", *(["--cache-dir", str(cache)] if cache else ["--no-cache"]), "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def int8_one_go(tmp_path_factory: pytest.TempPathFactory, int8_job: Path, sd1_checkpoint: Path) -> tuple[Path, Path]:
+    """The INT8 job in one process: (its images, the disk cache it warmed)."""
+    folder = tmp_path_factory.mktemp("int8-one-go")
+    proc = batch(*int8_options(int8_job, sd1_checkpoint, folder / "cache", folder / "out"))
     stdout, stderr = proc.communicate(timeout=900)
     assert proc.returncode == 0, stderr
     quantized = [row for row in stdout.splitlines() if row.startswith("INT8: ")]
     assert len(quantized) == 2, stdout  # one graph a size, each on its first batch's 5 calls
     assert all("calibrated on 5 recorded call(s)" in row and row.endswith("the batch renders again at INT8")
                for row in quantized), quantized
-    reference = pngs(tmp_path / "one-go")
-    assert len(reference) == 6
+    assert len(pngs(folder / "out")) == 7
+    return folder / "out", folder / "cache"
 
-    # killed once the second size's batch is saved, then resumed, on a disk cache of its own
-    proc = batch(*args("cache-killed", "killed"))
+
+@NEEDS_NNCF
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_an_int8_job_gives_the_same_images_on_two_workers_killed_and_resumed_and_on_a_warm_cache(
+        int8_one_go: tuple[Path, Path], int8_job: Path, sd1_checkpoint: Path, tmp_path: Path) -> None:
+    """Each UNet graph (one a size) is quantized on the job's first batch that runs it, on that batch's calls alone
+    (it used to go on recording into the next batch of its size), and that batch renders again at INT8. Two workers
+    start lines 1 and 2 at once: the one with line 2 samples line 1 to calibrate (it used to calibrate on line 2)."""
+    reference, cache = int8_one_go
+    proc = batch(*int8_options(int8_job, sd1_checkpoint, tmp_path / "cache-workers", tmp_path / "workers"),
+                 "--workers", "2")
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr
+    assert pngs(tmp_path / "workers") == pngs(reference), stdout
+
+    # killed once the second size's first batch is saved, then resumed, on a disk cache of its own
+    args = int8_options(int8_job, sd1_checkpoint, tmp_path / "cache-killed", tmp_path / "killed")
+    proc = batch(*args)
     for row in proc.stdout:
-        if row.startswith("[3/6]"):
+        if row.startswith("[4/7]"):
             proc.send_signal(signal.SIGKILL)
             break
     proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL
-    assert 3 <= len(pngs(tmp_path / "killed")) < 6
-    proc = batch(*args("cache-killed", "killed"))
+    assert 4 <= len(pngs(tmp_path / "killed")) < 7
+    proc = batch(*args)
     stdout, stderr = proc.communicate(timeout=900)
     assert proc.returncode == 0, stderr
-    assert pngs(tmp_path / "killed") == reference
+    assert pngs(tmp_path / "killed") == pngs(reference)
 
     # again into a new folder: the INT8 models come from the cache, nothing runs at float
-    proc = batch(*args("cache", "warm"))
+    proc = batch(*int8_options(int8_job, sd1_checkpoint, cache, tmp_path / "warm"))
     stdout, stderr = proc.communicate(timeout=900)
     assert proc.returncode == 0, stderr
     assert not [row for row in stdout.splitlines() if row.startswith("INT8: ")], stdout
-    assert pngs(tmp_path / "warm") == reference
+    assert pngs(tmp_path / "warm") == pngs(reference)
+
+
+@NEEDS_NNCF
+def test_a_batch_rendered_first_calibrates_on_the_jobs_first_batch_of_its_graph(tmp_path: Path,
+                                                                              sd1_checkpoint: Path) -> None:
+    """A renderer given line 3 first (as a worker may be) learns line 1's graphs by sampling it (line 1 cannot
+    render: its LoRA is missing, so it calibrates nothing), finds line 2 to be the first batch of line 3's graph,
+    samples it to calibrate, and makes line 3's image of a run in the job's order."""
+    from ov_accelerate_sd.batch_jobs import JobLine
+    from ov_accelerate_sd.batch_render import BatchRenderer, RenderOptions
+
+    def line(number: int, prompt: str, width: int) -> JobLine:
+        return JobLine(number=number, prompt=prompt, negative_prompt="", seed=number, width=width, height=64, steps=3,
+                       sampler="Euler a", cfg_scale=7.0, batch_size=1, batch_count=1, checkpoint=str(sd1_checkpoint),
+                       precision="int8", step_cache=1, init_image="", denoising_strength=0.75, clip_skip=1)
+
+    lines = [line(1, "a barn <lora:missing:1>", 96), line(2, "a red barn", 64), line(3, "a blue boat", 64)]
+    order = tuple((one, one.seed) for one in lines)
+    said: list[str] = []
+
+    def images(tasks: list[JobLine], cache: str) -> list[bytes]:
+        renderer = BatchRenderer(RenderOptions(cache_dir=str(tmp_path / cache), lora_dirs=(str(tmp_path),),
+                                               order=order), said.append)
+        try:
+            return [item.image.tobytes() for one in tasks for item in renderer.render(one, one.seed, 0)]
+        finally:
+            renderer.close()
+
+    in_order = images(lines[1:], "in-order")  # (line 1 fails, before any step, as its LoRA is missing)
+    assert not [text for text in said if "is the job's first batch" in text]  # each graph on the batch it renders
+    said.clear()
+    (alone,) = images(lines[2:], "alone")
+    assert alone == in_order[1]
+    assert any("line 1's steps are sampled once" in text for text in said), said
+    assert any("line 2 (batch 1) is the job's first batch to run a UNet graph line 3 runs" in text for text in said)
+    quantized = [text for text in said if "INT8 quantization" in text]
+    assert len(quantized) == 1 and "calibrated on 3 recorded call(s)" in quantized[0], said
 
 
 def test_a_torn_record_and_a_half_written_png_are_redone(tmp_path: Path, sd1_checkpoint: Path) -> None:
@@ -587,6 +648,22 @@ def parent_pid(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+@NEEDS_NNCF
+@pytest.mark.skipif(not HAVE_RAY, reason="the optional extra requirements-ray.txt")
+def test_an_int8_job_on_ray_without_a_disk_cache_gives_the_images_of_one_process(
+        cluster: tuple[str, dict[str, str]], int8_one_go: tuple[Path, Path], int8_job: Path, sd1_checkpoint: Path,
+        tmp_path: Path) -> None:
+    """Two workers that share no cache (``--no-cache``, as on two nodes): each calibrates every graph it needs on the
+    job's first batch that runs it, sampling that batch itself when another worker renders it."""
+    reference, _ = int8_one_go
+    address, auth = cluster
+    proc = batch(*int8_options(int8_job, sd1_checkpoint, None, tmp_path / "out"), "--ray", address,
+                 "--ray-cpus-per-worker", "1", **auth)
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stdout + stderr
+    assert pngs(tmp_path / "out") == pngs(reference)
 
 
 @pytest.mark.skipif(not HAVE_RAY or not sys.platform.startswith("linux"),
