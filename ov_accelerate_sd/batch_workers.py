@@ -39,8 +39,10 @@ WORKER_OVERHEAD = 1 << 30
 #: Bytes per parameter a worker holds at its peak: PyTorch's f32 copy as the checkpoint loads (4; it moves into
 #: the weight file as OpenVINO builds) and, beside what is left of it, OpenVINO's compiled copy, by precision
 #: (f32 counted at every CPU's worst: a CPU without bf16 compiles *Automatic* at f32). The WebUI's whole
-#: process at f32 on full-size SD 1.5 peaked at 7.1 GiB, 1.07 billion parameters (docs/memory.md).
-_BYTES_PER_PARAMETER = {"f32": 6.0, "auto": 6.0, "int8": 6.0, "int8-weights": 5.0}
+#: process at f32 on full-size SD 1.5 peaked at 7.1 GiB, 1.07 billion parameters (docs/memory.md). INT8 adds NNCF's
+#: quantization (its statistics model compiled beside the float one): a worker of ``bench batch --precision int8``
+#: on SD 1.5 peaked at 9.3 GiB (bench/results/batch-sd15-int8-zen4-2026-11-28.md).
+_BYTES_PER_PARAMETER = {"f32": 6.0, "auto": 6.0, "int8": 9.0, "int8-weights": 5.0}
 
 
 def usable_cores() -> list[int]:

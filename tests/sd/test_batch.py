@@ -561,6 +561,20 @@ def test_workers_are_planned_from_the_cores_and_the_memory() -> None:
 
 
 
+def test_a_workers_memory_estimate_covers_the_measured_peaks(monkeypatch) -> None:
+    """The estimate a plan refuses an N by holds the peaks measured on full-size SD 1.5: 5.65 GiB a worker at f32,
+    9.3 at INT8 (NNCF's quantization; bench/results/batch-sd15-identical-f32-zen4-2026-11-28.md,
+    batch-sd15-int8-zen4-2026-11-28.md)."""
+    from ov_accelerate_sd import batch_workers
+
+    sd15_parameters = 859_520_964 + 83_653_863 + 123_060_480  # UNet, VAE, text encoder
+    monkeypatch.setattr(batch_workers, "checkpoint_parameters", lambda path: sd15_parameters)
+    gib = 1 << 30
+    assert batch_workers.worker_bytes([("sd15.safetensors", "f32")]) > 5.65 * gib
+    assert batch_workers.worker_bytes([("sd15.safetensors", "int8")]) > 9.3 * gib
+    assert batch_workers.worker_bytes([("sd15.safetensors", "f32"), ("sd15.safetensors", "int8")]) > 9.3 * gib
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
