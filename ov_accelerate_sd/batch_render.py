@@ -138,7 +138,8 @@ class BatchRenderer:
         self._said: Any = None
         #: a class of batches (:meth:`_class_of`) -> the INT8 models (cache keys) its UNet calls run or calibrate
         self._graphs: dict[tuple, frozenset[str]] = {}
-        self._classes: dict[tuple[int, str], tuple] = {}
+        #: a line's number -> its class (for the current setup)
+        self._classes: dict[int, tuple] = {}
         self.reports: list[str] = []
         """The compile reports of the routings this renderer ended (what each graph's build did)."""
         self.backend_stats: dict[str, float] = {}
@@ -327,7 +328,7 @@ class BatchRenderer:
         from .lora import parse_prompt_loras
 
         line = task[0]
-        known = self._classes.get((line.number, line.setup))
+        known = self._classes.get(line.number)
         if known is not None:
             return known
         try:
@@ -338,7 +339,7 @@ class BatchRenderer:
                            line.sampler, bool(line.init_image), chunks)
         except Exception:  # a line whose prompt does not parse: a class of its own
             made = ("line", line.number)
-        self._classes[(line.number, line.setup)] = made
+        self._classes[line.number] = made
         return made
 
     def _first_batch_of(self, key: str, task: tuple[JobLine, int, int],
@@ -374,12 +375,11 @@ class BatchRenderer:
                     return candidate
         return None
 
-    def _calibrate(self, then: str) -> bool:
-        """At INT8: quantize every UNet graph that recorded calls in the run just made; whether any was quantized
-        since the last call (said with ``then``). A graph is
-        so calibrated on its first batch alone, whatever follows it: with a batch of fewer calls than
-        ``calibration_samples`` it would otherwise go on recording into the next batch of its shape, and the pictures
-        of that batch would depend on where a run started (a resumed run would calibrate on other calls)."""
+    def _calibrate(self, then: str) -> None:
+        """At INT8: quantize every UNet graph that recorded calls in the run just made, and say what was quantized
+        since the last time (with ``then``). A graph is so calibrated on its first batch alone, whatever follows
+        it: with a batch of fewer calls than ``calibration_samples`` it would otherwise go on recording into the next
+        batch of its shape, and the pictures of that batch would depend on where a run started."""
         backends = self._accelerator.backends
         self._accelerator.calibrate()
         # the quantizations since the last said: at the end of the run, or during it (at calibration_samples calls)
@@ -387,7 +387,6 @@ class BatchRenderer:
         self._said = backends.mark()
         if made:
             self._say("INT8: " + "; ".join(r.summary() for r in made) + (f"; {then}" if then else ""))
-        return bool(made)
 
     def stats(self) -> dict[str, float]:
         """The backend counters of every routing so far, the current one included, summed."""

@@ -53,6 +53,17 @@ def batch(*args: str, verbose: bool = False, **env_vars: str) -> subprocess.Pope
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def killed_at(args: list[str], row: str) -> None:
+    """Run ``batch`` with ``args`` and SIGKILL it once it prints a progress row starting with ``row``."""
+    proc = batch(*args)
+    for printed in proc.stdout:
+        if printed.startswith(row):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+
+
 @pytest.fixture(scope="module")
 def init_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("init") / "start.png"
@@ -155,13 +166,7 @@ def test_killed_mid_job_and_resumed_gives_the_same_images_bit_for_bit(one_go: tu
     reference, cache = one_go
     out = tmp_path / "out"
     args = [str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out)]
-    proc = batch(*args)
-    for row in proc.stdout:
-        if row.startswith("[2/6]"):
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL
+    killed_at(args, "[2/6]")
     before = pngs(out)
     assert 2 <= len(before) < 6
 
@@ -232,13 +237,7 @@ def test_an_int8_job_gives_the_same_images_on_two_workers_killed_and_resumed_and
 
     # killed once the second size's first batch is saved, then resumed, on a disk cache of its own
     args = int8_options(int8_job, sd1_checkpoint, tmp_path / "cache-killed", tmp_path / "killed")
-    proc = batch(*args)
-    for row in proc.stdout:
-        if row.startswith("[4/7]"):
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL
+    killed_at(args, "[4/7]")
     assert 4 <= len(pngs(tmp_path / "killed")) < 7
     proc = batch(*args)
     stdout, stderr = proc.communicate(timeout=900)
