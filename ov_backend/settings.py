@@ -41,6 +41,13 @@ SHARED_SHAPES: tuple[str, ...] = ("auto", "always", "never")
 #: See BackendSettings.previous_weights.
 PREVIOUS_WEIGHTS: tuple[str, ...] = ("auto", "keep", "release")
 
+SCHEDULING_PROPERTIES = frozenset({
+    "INFERENCE_NUM_THREADS", "ENABLE_CPU_PINNING", "NUM_STREAMS", "PERFORMANCE_HINT",
+    "PERFORMANCE_HINT_NUM_REQUESTS", "ENABLE_HYPER_THREADING", "SCHEDULING_CORE_TYPE",
+})
+"""Compile properties that decide how many threads run and where, not what a model computes (the rewrites
+make the pictures the same at any thread count: ``tests/sd/test_batch.py``)."""
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
@@ -157,6 +164,14 @@ class BackendSettings:
     def result_key(self) -> dict[str, Any]:
         """The settings that change what a compiled model computes (used in cache keys)."""
         return {"device": self.device, "config": sorted(self.compile_config.items()), **self.conversion_key()}
+
+    def quantized_key(self) -> dict[str, Any]:
+        """The settings that change an INT8 model as quantized (cache keys): :meth:`result_key` less the
+        properties that only place the device's threads (:data:`SCHEDULING_PROPERTIES`). The entry is an
+        ``ov.Model``, compiled with the whole config wherever it is loaded, so one process on every core and
+        workers of one pinned thread each share it."""
+        config = [(k, v) for k, v in sorted(self.compile_config.items()) if k not in SCHEDULING_PROPERTIES]
+        return {**self.result_key(), "config": config}
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BackendSettings))

@@ -23,12 +23,16 @@ from ov_backend.settings import BackendSettings
 
 
 def model_key(settings: BackendSettings, versions: Mapping[str, str], what: str, signature: Any,
-              fingerprint: str | None, extra: Mapping[str, Any], for_device: bool = True) -> str:
+              fingerprint: str | None, extra: Mapping[str, Any], scope: str = "device") -> str:
     """The cache key of a model: what it is, its signature, weights, settings and versions.
 
-    ``for_device=False``: a model as converted, before any device or precision touched it (the dynamic
-    build's), whose key leaves out the device and its config: a precision switch reuses it."""
-    chosen = settings.result_key() if for_device else settings.conversion_key()
+    ``scope`` says which settings the model depends on: "device" (a model compiled for the device: every
+    setting, :meth:`~ov_backend.settings.BackendSettings.result_key`); "conversion" (a model as converted,
+    before any device or precision touched it, the dynamic build's: a precision switch reuses it);
+    "quantized" (an INT8 model: the device and its config but for the thread placement, which the model
+    does not depend on)."""
+    chosen = {"device": settings.result_key, "conversion": settings.conversion_key,
+              "quantized": settings.quantized_key}[scope]()
     return make_key({"what": what, "signature": repr(signature), "weights": fingerprint,
                      "settings": chosen, "versions": dict(versions), **extra})
 
@@ -55,8 +59,8 @@ class GraphKeys:
     dims: Any = None
 
     def _key(self, what: str, signature: Any, fingerprint: str | None, extra: Mapping[str, Any],
-             for_device: bool = True) -> str:
-        return model_key(self.settings, self.versions, what, signature, fingerprint, extra, for_device)
+             scope: str = "device") -> str:
+        return model_key(self.settings, self.versions, what, signature, fingerprint, extra, scope)
 
     # -- the dynamic build: keyed by the inputs' ranks and dtypes -------------------------------------------
     def dynamic(self, sig: Sequence[Any], fingerprint: str, weights_as_inputs: bool) -> str:
@@ -65,7 +69,7 @@ class GraphKeys:
         return self._key("dynamic", _ranks(sig), None if weights_as_inputs else fingerprint,
                          {"graph": self.graph_code, "dims": self.dims,
                           "weights": "inputs" if weights_as_inputs else "baked"},
-                         for_device=False)
+                         scope="conversion")
 
     def dynamic_failure(self, sig: Sequence[Any]) -> str:
         """Where a failed dynamic conversion of this graph is remembered (no weights in it)."""
@@ -81,7 +85,7 @@ class GraphKeys:
         """The INT8 model with dynamic shapes of these weights."""
         return self._key("int8", _ranks(sig), fingerprint,
                          {"graph": self.graph_code, "dims": self.dims,
-                          **quantize.calibration_key(self.settings.calibration_samples)})
+                          **quantize.calibration_key(self.settings.calibration_samples)}, scope="quantized")
 
     # -- the static build: keyed by the whole signature -----------------------------------------------------
     def whole(self, sig: Any, fingerprint: str) -> str:
@@ -94,7 +98,7 @@ class GraphKeys:
         """The INT8 model of the whole graph for ``sig``."""
         return self._key("int8", sig, fingerprint,
                          {"graph": self.graph_code, "min_partition_ops": self.settings.min_partition_ops,
-                          **quantize.calibration_key(self.settings.calibration_samples)})
+                          **quantize.calibration_key(self.settings.calibration_samples)}, scope="quantized")
 
     def partition(self, name: str, fingerprint: str, code: str, constants: str, inputs: list[str]) -> str:
         """One partition of the static build: its code, the fingerprint of the constants it holds and its

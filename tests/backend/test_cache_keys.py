@@ -51,3 +51,19 @@ def test_every_kind_of_key_is_the_recipe_of_earlier_versions() -> None:
         assert keys.partition("fused_0", FP, CODE, "c" * 40, ["FakeTensor(...)"]) == old_key(
             settings, "partition", "fused_0", FP, {"code": CODE, "constants": "c" * 40, "inputs": ["FakeTensor(...)"]})
 
+
+
+def test_an_int8_key_leaves_out_where_the_threads_run_and_keeps_what_the_model_computes() -> None:
+    """An INT8 entry is an ``ov.Model``, compiled with the whole config where it loads: one process on every core
+    and workers of one pinned thread each find the same entry; a precision hint still makes another."""
+    plain = build_settings({"precision": "int8"})
+    placed = build_settings({"precision": "int8", "config": {"INFERENCE_NUM_THREADS": "1", "ENABLE_CPU_PINNING": "NO",
+                                                              "NUM_STREAMS": "1", "PERFORMANCE_HINT": "LATENCY"}})
+    hinted = build_settings({"precision": "int8", "config": {"INFERENCE_PRECISION_HINT": "f32"}})
+    keys, placed_keys, hinted_keys = (GraphKeys(one, VERSIONS, CODE, DIMS) for one in (plain, placed, hinted))
+    assert placed_keys.static_int8(SIG, FP) == keys.static_int8(SIG, FP)
+    assert placed_keys.dynamic_int8(SIG, FP) == keys.dynamic_int8(SIG, FP)
+    assert hinted_keys.static_int8(SIG, FP) != keys.static_int8(SIG, FP)
+    assert hinted_keys.dynamic_int8(SIG, FP) != keys.dynamic_int8(SIG, FP)
+    # a compiled float model keeps its whole config in its key
+    assert placed_keys.whole(SIG, FP) != keys.whole(SIG, FP)

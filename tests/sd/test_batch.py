@@ -244,8 +244,9 @@ def test_an_int8_job_gives_the_same_images_on_two_workers_killed_and_resumed_and
     assert proc.returncode == 0, stderr
     assert pngs(tmp_path / "killed") == pngs(reference)
 
-    # again into a new folder: the INT8 models come from the cache, nothing runs at float
-    proc = batch(*int8_options(int8_job, sd1_checkpoint, cache, tmp_path / "warm"))
+    # one process, into a new folder, on the workers' cache (their INT8 models were quantized on 1 pinned thread
+    # each, its own run on every core: the thread placement is not in the INT8 keys): nothing runs at float
+    proc = batch(*int8_options(int8_job, sd1_checkpoint, tmp_path / "cache-workers", tmp_path / "warm"))
     stdout, stderr = proc.communicate(timeout=900)
     assert proc.returncode == 0, stderr
     assert not [row for row in stdout.splitlines() if row.startswith("INT8: ")], stdout
