@@ -32,13 +32,16 @@ def machine() -> dict[str, Any]:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
         for line in lscpu.splitlines():
             key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "Core(s) per socket", "Socket(s)", "Thread(s) per core", "Flags"):
+            if key.strip() in ("Model name", "CPU family", "Model", "Core(s) per socket", "Socket(s)",
+                               "Thread(s) per core", "Flags"):
                 value = value.strip()
                 if key.strip() == "Flags":
                     value = " ".join(f for f in value.split() if f.startswith(("avx512_bf16", "amx", "avx512f")))
                 info[key.strip()] = value
     except (OSError, subprocess.SubprocessError) as err:
         logger.info("lscpu unavailable: %s", err)
+    if "Model name" in info and "CPU family" in info:  # a VM's EPYC names no generation: Zen 3, 4 and 5 alike
+        info["Model name"] += f" (family {info['CPU family']}, model {info.get('Model', '?')})"
     try:
         root = Path(__file__).resolve().parent.parent
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
