@@ -52,7 +52,6 @@ def test_every_kind_of_key_is_the_recipe_of_earlier_versions() -> None:
             settings, "partition", "fused_0", FP, {"code": CODE, "constants": "c" * 40, "inputs": ["FakeTensor(...)"]})
 
 
-
 def test_an_int8_key_leaves_out_where_the_threads_run_and_keeps_what_the_model_computes() -> None:
     """An INT8 entry is an ``ov.Model``, compiled with the whole config where it loads: one process on every core
     and workers of one pinned thread each find the same entry; a precision hint still makes another."""
