@@ -225,6 +225,13 @@ class Pin:
 
 
 class TestBed:
+    """The A1111 bed; ``.ci/forge_testbed.py`` builds Forge's with a subclass (its venv, torch and tvstub steps)."""
+
+    label = "the WebUI v1.10.1"
+    """What the venv is for, in errors."""
+    python_variable = "A1111_PYTHON"
+    """The environment variable that names the venv's interpreter (default python3.11)."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.webui = root / "webui"
@@ -358,13 +365,13 @@ class TestBed:
     # --- 4. venv, torch, torchvision ---------------------------------------------------------------
     def python_and_torch(self) -> None:
         if not self.python.is_file():
-            base = os.environ.get("A1111_PYTHON", "python3.11")
+            base = os.environ.get(self.python_variable, "python3.11")
             say(f"venv with {base}")
             run([base, "-m", "venv", self.venv])
         tag = self.py("-c", "import sys; print('%d%d' % sys.version_info[:2])", capture=True).strip()
         if tag not in ("310", "311"):
-            raise BuildError(f"the venv's Python is {tag[0]}.{tag[1:]}; the WebUI v1.10.1 needs 3.10 or 3.11 "
-                             "(set A1111_PYTHON and remove venv/)")
+            raise BuildError(f"the venv's Python is {tag[0]}.{tag[1:]}; {self.label} needs 3.10 or 3.11 "
+                             f"(set {self.python_variable} and remove venv/)")
         have = self.versions("torch", "torchvision")
         if have["torch"] != f"{TORCH}+cpu":
             wheel_folder = Path(os.environ.get("A1111_WHEELS", "/opt/wheels"))
