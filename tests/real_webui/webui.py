@@ -4,7 +4,8 @@ start and stop the WebUI, call its HTTP API, compare pictures.
 The test bed is built by ``.ci/build_testbed.py`` (``.ci/testbed`` runs it) into
 ``$A1111_ROOT`` (default ``build/a1111-testbed`` in the checkout). Each test session gets its own WebUI
 data folder (``--data-dir``: models, extensions, config, outputs), so the shared test bed is never
-changed.
+changed. :class:`WebUI` is A1111's; its class attributes (launch flags, start marker, requirements file) and
+:meth:`WebUI.prepare_models` are what another WebUI of the same front end changes (``tests/real_forge/forge.py``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ class Result:
 class WebUI:
     """One WebUI installation (data folder) that can be started, restarted and stopped."""
 
+    launch_flags: tuple[str, ...] = tuple(LAUNCH_FLAGS)
+    """The flags every start passes before :attr:`extra_flags`, ``--port``, ``--data-dir`` and ``--ckpt``."""
+    started_marker = STARTED
+    """What the WebUI prints once its API and callbacks are in place (no request before it)."""
+    requirements_file = "requirements-a1111-py311.txt"
+    """The test bed's requirements, for the WebUI's start-up check (``REQS_FILE``)."""
+    name = "WebUI"
+    """In errors ("the WebUI exited with ...", which the bench reads) and, lower-case, log file names."""
+
     def __init__(self, testbed: Path, data_dir: Path, log_dir: Path) -> None:
         self.testbed, self.data_dir, self.log_dir = testbed, data_dir, log_dir
         self.webui = testbed / "webui"
@@ -118,6 +128,12 @@ class WebUI:
     def prepare(self, extra_extensions: list[Path], tiny_models: bool = True) -> None:
         """Models made by LDM's own classes (unless ``tiny_models`` is false), the extension cloned into
         extensions/ as a user does, and ``extra_extensions`` copied there."""
+        self.prepare_models(tiny_models)
+        self.install_extensions(extra_extensions)
+
+    def prepare_models(self, tiny_models: bool = True) -> None:
+        """The tier's tiny checkpoints, LoRAs and VAE in the data folder's models/, made by the WebUI's own
+        LDM classes (``make_models.py``); nothing unless ``tiny_models``."""
         models = self.data_dir / "models"
         if tiny_models and not (models / "Stable-diffusion" / CHECKPOINT_B).is_file():
             snapshot = next(
@@ -137,6 +153,10 @@ class WebUI:
                 capture_output=True,
                 text=True,
             )
+
+    def install_extensions(self, extra_extensions: list[Path]) -> None:
+        """The extension cloned into extensions/ as a user does (or copied from the work tree, uncommitted
+        files too, with ``OV_REAL_WEBUI_SOURCE=worktree``), and ``extra_extensions`` copied there."""
         extensions = self.data_dir / "extensions"
         extensions.mkdir(parents=True, exist_ok=True)
         target = extensions / EXTENSION_NAME
@@ -170,7 +190,7 @@ class WebUI:
         env.update(
             PATH=f"{venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
             VIRTUAL_ENV=str(venv),
-            REQS_FILE=str(self.testbed / "requirements-a1111-py311.txt"),
+            REQS_FILE=str(self.testbed / self.requirements_file),
             LD_LIBRARY_PATH=str(self.testbed / "tvstub"),
             HF_HOME=str(self.testbed / "hf-home"),
             HF_HUB_OFFLINE="1",
@@ -185,11 +205,11 @@ class WebUI:
     def start(self, timeout: float = 900) -> None:
         self.port = free_port()
         self.starts += 1
-        self.log_path = self.log_dir / f"webui-{self.starts}.log"
+        self.log_path = self.log_dir / f"{self.name.lower()}-{self.starts}.log"
         cmd = [
             str(self.python),
             "launch.py",
-            *LAUNCH_FLAGS,
+            *self.launch_flags,
             *self.extra_flags,
             "--port",
             str(self.port),
@@ -206,23 +226,23 @@ class WebUI:
         # No request before the WebUI says it has started: its server answers while webui.py still adds
         # the API's middleware, and a request in that window makes starlette refuse it ("Cannot add
         # middleware after an application has started"), which kills the WebUI.
-        while STARTED not in self.log_text():
+        while self.started_marker not in self.log_text():
             if self.process.poll() is not None:
-                raise RuntimeError(f"the WebUI exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"the {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             if time.time() - t0 > timeout:
-                raise RuntimeError(f"the WebUI did not start in {timeout} s:\n{self.log_tail()}")
-            time.sleep(1)
+                raise RuntimeError(f"the {self.name} did not start in {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.5)
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the WebUI exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"the {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/sdapi/v1/sd-models", timeout=10):
                     self.start_seconds = time.time() - t0
                     break
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 if time.time() - t0 > timeout:
-                    raise RuntimeError(f"the WebUI did not answer in {timeout} s:\n{self.log_tail()}") from None
-                time.sleep(1)
+                    raise RuntimeError(f"the {self.name} did not answer in {timeout} s:\n{self.log_tail()}") from None
+                time.sleep(0.5)
 
     def stop(self) -> None:
         if self.process is None:
