@@ -1,0 +1,41 @@
+"""The Forge tier: a real Forge (main at dfdcbab6, CPU, offline) with the extension cloned into its ``extensions/``
+folder, driven over HTTP.
+
+Needs the Forge test bed (``bash .ci/testbed``, which ``.ci/test`` runs); without it every test here is skipped
+with the reason, or fails when the bed is required (``OV_REAL_FORGE=require``, which ``.ci/test`` sets when it
+built the bed; unset, ``OV_REAL_WEBUI=require`` requires it too). One Forge process serves the whole session.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .forge import Forge, forge_testbed_ready, forge_testbed_root
+
+
+def usable_forge_testbed() -> Path:
+    """The Forge bed's folder; skips (fails when required) when there is none."""
+    root = forge_testbed_root()
+    if not forge_testbed_ready(root):
+        message = f"no Forge test bed in {root}: run `bash .ci/testbed` (or set FORGE_ROOT)"
+        if os.environ.get("OV_REAL_FORGE", os.environ.get("OV_REAL_WEBUI")) == "require":
+            pytest.fail(message)
+        pytest.skip(message)
+    return root
+
+
+@pytest.fixture(scope="session")
+def forge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forge]:
+    """Forge, API only, started on the tier's SD 1.5 checkpoint with this project cloned into its extensions/."""
+    root = usable_forge_testbed()
+    ui = Forge(root, tmp_path_factory.mktemp("forge-data"), tmp_path_factory.mktemp("forge-logs"))
+    ui.prepare([])
+    ui.start()
+    try:
+        yield ui
+    finally:
+        ui.stop()
