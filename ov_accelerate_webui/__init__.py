@@ -42,7 +42,7 @@ class Loaded:
         callbacks.on_script_unloaded(self.extension.unload)
         from .weights_at_load import install
 
-        uninstall = install(self.extension)
+        uninstall = install(self.extension) if self.extension.webui.loads_into_weight_file else None
         if uninstall is not None:
             callbacks.on_script_unloaded(uninstall)
         callbacks.on_app_started(lambda _demo, app: add_routes(app, self.extension))

@@ -35,12 +35,14 @@ from .backend_bridge import BackendApi
 from .compiled_route import CompiledRoute, compile_route, f32_route, make_forward
 from .finite_guard import F32Switch
 from .lora import LoraChange, LoraHook
-from .model_parts import PYTORCH_CHECKS, Target, checkpoint_key, find_targets
+from .model_parts import Target, checkpoint_key
 from .routing import Route, mark_ours
 from .settings import AccelerateSettings
 
 if TYPE_CHECKING:
     from ov_backend import CompileReport, OVBackend
+
+    from .hosts import Host
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +83,20 @@ WINDOW_NEW, WINDOW_CONTINUE, WINDOW_OFF = "new", "continue", "off"
 class Accelerator:
     """Owns compiled models across generations; :meth:`reset` drops them."""
 
-    def __init__(self, api: BackendApi, notify: Callable[[str | None], None] | None = None) -> None:
+    def __init__(self, api: BackendApi, notify: Callable[[str | None], None] | None = None,
+                 host: Host | None = None) -> None:
         """Args:
         api: the loaded ov_backend API.
         notify: called with "OpenVINO: compiling ..." before a call with a new input signature
             and with None after it (the WebUI shows it in its progress text).
+        host: the WebUI (:mod:`.hosts`; None: the one running, ``hosts.detect()``): where the parts are.
         """
+        if host is None:
+            from .hosts import detect
+
+            host = detect()
+        self.host = host
+        """The WebUI the routed models belong to."""
         self._notify = notify or (lambda text: None)
         self._lock = threading.RLock()
         self._checkpoints: set[str] = set()
@@ -127,7 +137,7 @@ class Accelerator:
             UnsupportedModel: the model cannot be accelerated.
             ValueError: the backend rejected the settings (e.g. an unknown device).
         """
-        targets = find_targets(model, settings.parts)
+        targets = self.host.find_targets(model, settings.parts)
         choice = dataclasses.replace(settings.backend_choice(default_cache_dir), weights_in_file=weights_in_file,
                                      cache_max_bytes=cache_max_bytes)
         f32_choice = dataclasses.replace(choice, precision="f32") if choice.precision != "f32" else None
@@ -169,7 +179,7 @@ class Accelerator:
         Raises:
             UnsupportedModel: the model cannot be accelerated.
         """
-        targets = find_targets(model, run.settings.parts)
+        targets = self.host.find_targets(model, run.settings.parts)
         with self._lock:
             self._checkpoints.add(checkpoint_key(model))
             return self._prepared(model, targets, run.choice, run.settings, run.f32_choice, run.mark, run.step_cache)
@@ -187,8 +197,8 @@ class Accelerator:
         released = self._release_other_builds(keys)  # (counted apart: the builds may be another backend's)
         entries = [self._entry(keys[t.label], t) for t in targets]
         routes = tuple(
-            Route(t.module, self._make_forward(e, f32_choice, step_cache if t.part == "unet" else None), t.label,
-                  t.method)
+            Route(t.module, self._make_forward(e, t, f32_choice, step_cache if t.part == "unet" else None), t.label,
+                  t.method, t.per_call)
             for t, e in zip(targets, entries)
         )
         return PreparedRun(
@@ -245,13 +255,14 @@ class Accelerator:
                 if not entries:
                     del self._compiled[label_key]
 
-    def _make_forward(self, entry: CompiledRoute, f32_choice: BackendChoice | None,
+    def _make_forward(self, entry: CompiledRoute, target: Target, f32_choice: BackendChoice | None,
                       step_cache: StepCacheRun | None) -> Callable[..., Any]:
         f32_build = None if f32_choice is None else (lambda: f32_route(entry, self.backends.counter(f32_choice)))
-        forward = make_forward(entry, self._lock, self._notify, f32_build, PYTORCH_CHECKS.get(entry.part),
+        forward = make_forward(entry, self._lock, self._notify, f32_build, target.check,
                                lambda route, why: self.on_pytorch(route, why) if self.on_pytorch else None,
                                step_cache,
-                               lambda route, why: self.on_uncached(route, why) if self.on_uncached else None)
+                               lambda route, why: self.on_uncached(route, why) if self.on_uncached else None,
+                               target.inputs)
         return mark_ours(self._lora.wrap(forward, entry))
 
     def lora_changes(self) -> list[LoraChange]:

@@ -168,10 +168,11 @@ def make_forward(
     lock: threading.RLock,
     notify: Callable[[str | None], None],
     f32_build: Callable[[], CompiledRoute] | None,
-    bypass: Callable[[Any], str] | None = None,
+    bypass: Callable[[Any, tuple[Any, ...], dict[str, Any]], str] | None = None,
     on_bypass: Callable[[CompiledRoute, str], None] | None = None,
     step_cache: StepCacheRun | None = None,
     on_uncached: Callable[[CompiledRoute, str], None] | None = None,
+    inputs: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
 ) -> Callable[..., Any]:
     """The method that replaces ``entry``'s module method while routed.
 
@@ -181,13 +182,16 @@ def make_forward(
         notify: called with "OpenVINO: compiling ..." before a call with a new input signature, and None after.
         f32_build: makes the route's f32 build (called under ``lock``, once); None when the run is at f32
             already, and then outputs are not checked.
-        bypass: called with the module before each call; a non-empty answer (why) runs the call on the module's
-            own method in PyTorch, counted in ``entry.pytorch_calls`` (e.g. the WebUI's Token merging, which
-            rewrites the UNet's blocks into ops OpenVINO cannot take).
+        bypass: called with (the module, the call's args, its kwargs) before each call; a non-empty answer (why)
+            runs the call on the module's own method in PyTorch, counted in ``entry.pytorch_calls`` (e.g. the
+            WebUI's Token merging, which rewrites the UNet's blocks into ops OpenVINO cannot take, or a Forge patch
+            in the UNet call's options).
         on_bypass: told (entry, why) of each such call.
         step_cache: the run's step caching (the UNet's route only): each call runs the route's split methods,
             full or shallow as it decides; a route that runs at f32 after an overflow runs uncached.
         on_uncached: told (entry, why) when step caching cannot split the route's module (it runs uncached).
+        inputs: maps a call's (args, kwargs) to what the compiled method is given (``model_parts.Target.inputs``);
+            None: the call's own.
     """
     label = PART_NAMES[entry.part]
 
@@ -244,7 +248,7 @@ def make_forward(
         if entry.through_blocks:
             return entry.source(*args, **kwargs)
         module = entry.module_ref() if bypass is not None and not entry.held else None
-        why = entry.held or (bypass(module) if module is not None else "")
+        why = entry.held or (bypass(module, args, kwargs) if module is not None else "")
         if why:
             with lock:
                 entry.pytorch_calls += 1
@@ -252,6 +256,8 @@ def make_forward(
             if on_bypass is not None:
                 on_bypass(entry, why)
             return entry.source(*args, **kwargs)
+        if inputs is not None:
+            args, kwargs = inputs(args, kwargs)
         with lock:
             entry.calls += 1
             build = entry.f32 or entry

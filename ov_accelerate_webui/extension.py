@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from . import cache_owners, host, weights_at_load
@@ -27,10 +27,11 @@ from .generation import (
     comment_on,
     run_report,
 )
+from .hosts import Host, detect
 from .infotext import WRITTEN_KEYS
 from .model_parts import UnsupportedModel, checkpoint_key, checkpoint_label
 from .options import read_options
-from .precompile import ReadySizes, Size, parse_sizes
+from .precompile import ReadySizes, Size
 from .settings import AccelerateSettings
 
 logger = logging.getLogger(__name__)
@@ -39,10 +40,13 @@ logger = logging.getLogger(__name__)
 class Extension:
     """State and actions of the extension; everything the Script and the panel do goes through here."""
 
-    def __init__(self, load_api: Callable[[], BackendApi] = load_backend) -> None:
+    def __init__(self, load_api: Callable[[], BackendApi] = load_backend, webui: Host | None = None) -> None:
         """Args:
         load_api: imports the backend on first use (tests pass their own).
+        webui: the WebUI it runs in (None: the one running, :func:`.hosts.detect`).
         """
+        self.webui = webui if webui is not None else detect()
+        """What differs between the WebUIs (:mod:`.hosts`)."""
         self._load_api = load_api
         self._lock = threading.RLock()
         self._api: BackendApi | None = None
@@ -68,7 +72,8 @@ class Extension:
         """The accelerator (created on first use). Raises BackendUnavailable."""
         with self._lock:
             if self._accelerator is None:
-                self._accelerator = Accelerator(self.api(), notify=lambda text: setattr(host.state(), "textinfo", text))
+                self._accelerator = Accelerator(self.api(), notify=lambda text: setattr(host.state(), "textinfo", text),
+                                                host=self.webui)
             return self._accelerator
 
     def device_choices(self) -> list[tuple[str, str]]:
@@ -299,32 +304,6 @@ class Extension:
         if getattr(p, "enable_hr", False) and getattr(p, "hr_upscale_to_x", 0):
             self.ready.add(checkpoint, label, Size(int(p.hr_upscale_to_x), int(p.hr_upscale_to_y), int(p.batch_size)))
 
-    def precompile(self, sizes_text: str, batch_size: int, settings: AccelerateSettings) -> Iterator[str]:
-        """Compile each size ahead of a batch job (a 1-step generation each); yields progress lines.
-
-        Raises:
-            ValueError: for a malformed size list.
-        """
-        sizes = parse_sizes(sizes_text, batch_size)
-        for number, size in enumerate(sizes, start=1):
-            yield f"Compiling {size.label()} ({number}/{len(sizes)}) ..."
-            p = host.txt2img_processing(
-                prompt="",
-                negative_prompt="",
-                width=size.width,
-                height=size.height,
-                batch_size=size.batch_size,
-                n_iter=1,
-                steps=1,
-                do_not_save_samples=True,
-                do_not_save_grid=True,
-            )
-            with host.queue_lock():
-                # one window: every size stays compiled; at INT8 its 1-step calls are recorded, and the next
-                # generation calibrates on them and its own steps
-                self.run(p, settings, new_window=number == 1, calibrate=False)
-        yield f"Ready: {', '.join(s.label() for s in sizes)}."
-
     def ready_sizes_text(self) -> str:
         """Which sizes are ready for the loaded checkpoint, one line per setting."""
         model = host.loaded_model()
@@ -381,8 +360,14 @@ class Extension:
                 accelerator.forget_unless(model)
         if generation is not None:
             generation.session.follow(model)
-        else:
+        elif self.webui.loads_into_weight_file:
             weights_at_load.place(model, accelerator, self.accelerator)
+
+    def before_sampling(self, p: Any) -> None:
+        """Before each sampling (the ``process_before_every_sampling`` hook): see :meth:`Generation.before_sampling`."""
+        generation = self._generation
+        if generation is not None and generation.active:
+            generation.before_sampling(p)
 
     def on_cfg_denoiser(self, params: Any) -> None:
         """Before each UNet evaluation of a generation: see :meth:`Generation.before_unet`."""

@@ -24,7 +24,6 @@ from typing import Any
 from ov_accelerate_sd.openvino_entry import PART_NAMES
 
 from .accelerator import Accelerator, PreparedRun
-from .attention import FusedAttention
 from .backend_bridge import ov_backend
 from .controlnet import ControlUnit
 from .finite_guard import F32Switch
@@ -147,7 +146,7 @@ class Generation:
         self.session = RoutingSession(accelerator, prepared, model, on_unsupported, control_units)
         self._on_unsupported = on_unsupported
         self._said: set[str] = set()
-        self.attention = FusedAttention() if "unet" in settings.parts else None
+        self.attention = accelerator.host.attention() if "unet" in settings.parts else None
         self._stack: contextlib.ExitStack | None = None
         self.model = model
         self.owner: int | None = None
@@ -174,6 +173,17 @@ class Generation:
         self.session.observe(loaded)
         if self.prepared.step_cache is not None:
             sampler_step(self.prepared.step_cache, params)
+
+    def before_sampling(self, p: Any) -> None:
+        """Before each sampling of the generation (each batch, the hires pass; the section's
+        ``process_before_every_sampling`` hook): the host puts the routes it owns on its patch point for it
+        (Forge's UNet function wrapper). When it cannot, the UNet runs in PyTorch and the status says why."""
+        why = self.accelerator.host.route_for_sampling(p, self.session.sampling_routes())
+        if why:
+            logger.warning("Accelerate with OpenVINO: the UNet runs in PyTorch for this sampling: %s", why)
+            if "unet" not in self._said:
+                self._said.add("unet")
+                self._on_unsupported(PART_NAMES["unet"], why)
 
     def _ran_uncached(self, route: Any, why: str) -> None:
         if STEP_CACHING not in self._said:  # once: the infotext's note, the comment under the images

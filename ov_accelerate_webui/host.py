@@ -147,3 +147,13 @@ def load_precision_change() -> str | None:
     if getattr(devices, "fp8", False):
         return "FP8 weight storage converts the weights after they load"
     return None
+
+
+def is_forge() -> bool:
+    """Whether the WebUI is Forge (or Forge Neo): it imports its ``modules_forge`` package as it starts."""
+    return "modules_forge" in sys.modules
+
+
+def imported_module(name: str) -> ModuleType | None:
+    """Module ``name`` if the WebUI imported it already (never imports it), e.g. Forge's ``backend.nn.unet``."""
+    return sys.modules.get(name)

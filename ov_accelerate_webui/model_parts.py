@@ -1,13 +1,14 @@
 """Where the UNet, VAE and text encoder live in the model object A1111 has loaded.
 
 Knows the LDM/sgm layout of A1111's models (SD1, SD2, SDXL) as a table; imports nothing from the
-host. A model it cannot place (Forge's model object, SD3, anything unknown) gets a reason, and the
-generation runs in plain PyTorch.
+host. A model it cannot place (SD3, anything unknown) gets a reason, and the generation runs in plain PyTorch.
+Forge's layout is :mod:`.forge`'s; :mod:`.hosts` says which one a WebUI uses.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,15 @@ class Target:
     own_code: bool = False
     """Compile a copy of the method with its own code object (one of many modules of a class compiled apart,
     e.g. a UNet's blocks: ``ov_backend.CompiledMethod``'s ``own_code``)."""
+    check: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], str] | None = None
+    """Asked with (module, args, kwargs) before each routed call: why that call must run on the module's own method
+    in PyTorch ("" when OpenVINO can run it), e.g. A1111's Token merging, or a Forge UNet patch."""
+    inputs: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None = None
+    """What the compiled method is given of a routed call that passed :attr:`check` (None: the call's own
+    arguments), e.g. Forge's UNet call without its per-step bookkeeping."""
+    per_call: bool = False
+    """Routed for each sampling call by the host's own patch point (Forge's UNet function wrapper) instead of for
+    the whole generation."""
 
     @property
     def label(self) -> str:
@@ -109,14 +119,14 @@ def model_family(model: Any) -> str:
     """ "sd1", "sd2" or "sdxl".
 
     Raises:
-        UnsupportedModel: for Forge's model object, a missing model, or another architecture.
+        UnsupportedModel: for a missing model or another architecture.
     """
     if model is None:
         raise UnsupportedModel("No checkpoint is loaded. Load an SD 1.x, SD 2.x or SDXL checkpoint.")
     if hasattr(model, "forge_objects"):
         raise UnsupportedModel(
-            "Forge's model object is not supported yet: Accelerate with OpenVINO works "
-            "with AUTOMATIC1111 WebUI. This image was made in plain PyTorch."
+            "This is Forge's model object, but the WebUI did not load Forge's modules_forge: Accelerate with "
+            "OpenVINO cannot tell where its parts are. This image was made in plain PyTorch."
         )
     for family, flag in (("sdxl", "is_sdxl"), ("sd2", "is_sd2"), ("sd1", "is_sd1")):
         if getattr(model, flag, False):
@@ -128,7 +138,7 @@ def model_family(model: Any) -> str:
     )
 
 
-def _lookup(root: Any, path: str) -> Any:
+def lookup(root: Any, path: str) -> Any:
     obj = root
     for name in path.split(".") if path else ():
         if name.isdigit():
@@ -145,9 +155,10 @@ def _lookup(root: Any, path: str) -> Any:
 
 def _find_group(model: Any, part: str, group: str) -> Target | None:
     for path in group.split("|"):
-        module = _lookup(model, path)
+        module = lookup(model, path)
         if isinstance(module, nn.Module):
-            return Target(part=part, path=path, module=module)
+            return Target(part=part, path=path, module=module,
+                          check=token_merging_check if part == "unet" else None)
     return None
 
 
@@ -155,12 +166,12 @@ def _join(*names: str) -> str:
     return ".".join(n for n in names if n)
 
 
-def _text_encoder_target(embedder: Any, path: str) -> tuple[TextEncoderKind, Target] | None:
+def text_encoder_target(embedder: Any, path: str) -> tuple[TextEncoderKind, Target] | None:
     """What ``embedder`` (at ``path``; inside A1111's prompt wrapper or not) is, and its routed part."""
     wrapped = getattr(embedder, "wrapped", None)
     inner, inner_path = (wrapped, _join(path, "wrapped")) if isinstance(wrapped, nn.Module) else (embedder, path)
     for kind in TEXT_ENCODER_KINDS:
-        module = _lookup(inner, kind.path)
+        module = lookup(inner, kind.path)
         if isinstance(module, nn.Module) and callable(getattr(type(module), kind.method, None)):
             target = Target("text_encoder", _join(inner_path, kind.path), module, kind.method, kind.varying_dims)
             return kind, target
@@ -170,10 +181,10 @@ def _text_encoder_target(embedder: Any, path: str) -> tuple[TextEncoderKind, Tar
 def _text_encoder_candidates(model: Any, where: str) -> list[tuple[str, Any]]:
     """(path, module) of each text encoder at ``where`` (a path, or "x.*": the prompt readers of list x)."""
     if not where.endswith(".*"):
-        module = _lookup(model, where)
+        module = lookup(model, where)
         return [(where, module)] if module is not None else []
     base = where[:-2]
-    modules = _lookup(model, base)
+    modules = lookup(model, base)
     if modules is None:
         return []
     return [(f"{base}.{i}", m) for i, m in enumerate(modules) if getattr(m, "input_key", None) == "txt"]
@@ -190,7 +201,7 @@ def find_text_encoders(model: Any, family: str) -> list[Target]:
     found: list[tuple[str, str, Target | None]] = []  # (kind name or class name, path, target)
     for where in wheres:
         for path, embedder in _text_encoder_candidates(model, where):
-            match = _text_encoder_target(embedder, path)
+            match = text_encoder_target(embedder, path)
             found.append((match[0].name, path, match[1]) if match else (type(embedder).__name__, path, None))
     kinds = tuple(name for name, _path, _target in found)
     layouts = [(expected, name) for f, expected, name in TEXT_ENCODER_SETS if f == family]
@@ -257,5 +268,6 @@ def token_merging(unet: Any) -> str:
             "transformer blocks with token scatters OpenVINO cannot convert; set the ratio to 0 to run it in OpenVINO")
 
 
-#: Part -> the check that says when a call of that part must run in PyTorch (see ``compiled_route.make_forward``).
-PYTORCH_CHECKS = {"unet": token_merging}
+def token_merging_check(unet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """:func:`token_merging` as a :attr:`Target.check` of A1111's UNet."""
+    return token_merging(unet)

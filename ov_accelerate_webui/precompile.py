@@ -5,7 +5,11 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+from . import host
 
 logger = logging.getLogger(__name__)
 
@@ -71,3 +75,31 @@ class ReadySizes:
         """Forget everything (model unloaded, memory released)."""
         with self._lock:
             self._ready.clear()
+
+
+def precompile(extension: Any, sizes_text: str, batch_size: int, settings: Any) -> Iterator[str]:
+    """Compile each size ahead of a batch job (a 1-step generation each, through ``extension``, the
+    :class:`.extension.Extension`); yields progress lines.
+
+    Raises:
+        ValueError: for a malformed size list.
+    """
+    sizes = parse_sizes(sizes_text, batch_size)
+    for number, size in enumerate(sizes, start=1):
+        yield f"Compiling {size.label()} ({number}/{len(sizes)}) ..."
+        p = host.txt2img_processing(
+            prompt="",
+            negative_prompt="",
+            width=size.width,
+            height=size.height,
+            batch_size=size.batch_size,
+            n_iter=1,
+            steps=1,
+            do_not_save_samples=True,
+            do_not_save_grid=True,
+        )
+        with host.queue_lock():
+            # one window: every size stays compiled; at INT8 its 1-step calls are recorded, and the next
+            # generation calibrates on them and its own steps
+            extension.run(p, settings, new_window=number == 1, calibrate=False)
+    yield f"Ready: {', '.join(s.label() for s in sizes)}."

@@ -64,6 +64,9 @@ class Route:
     """What is routed, for the status, e.g. "model.diffusion_model"."""
     method: str = "forward"
     """The method that is replaced ("forward", or e.g. "encode_with_transformer")."""
+    per_call: bool = False
+    """Put in place for each sampling call by the host's patch point (``model_parts.Target.per_call``), not for the
+    whole generation."""
 
 
 @contextlib.contextmanager

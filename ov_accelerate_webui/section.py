@@ -133,6 +133,10 @@ def make_section_class(extension: Extension) -> type:
                 return
             extension.section_process(p, settings, why)
 
+        def process_before_every_sampling(self, p: Any, *args: Any, **kwargs: Any) -> None:
+            # every generation's, the dropdown entry's too (the WebUI calls this hook on always-on scripts only)
+            extension.before_sampling(p)
+
         def postprocess(self, p: Any, processed: Any, *args: Any) -> None:
             extension.section_postprocess(p, processed)
 

@@ -98,6 +98,8 @@ class RoutingSession:
         #: UNet route key -> the routes of its blocks (another extension's forward calls them), who that forward
         #: is, and the UNet's own compiled route
         self._blocks: dict[tuple[int, str], tuple[PreparedRun, str, Any]] = {}
+        #: routes the host puts in place for each sampling call (``Route.per_call``: Forge's UNet)
+        self._per_call: list[Any] = []
         #: routes made during the generation that the status does not list one by one (a UNet's blocks)
         self._block_runs: list[PreparedRun] = []
         #: ControlNet unit -> [sampling steps it ran in PyTorch, why]
@@ -148,8 +150,14 @@ class RoutingSession:
             logger.warning("Accelerate with OpenVINO: %s (%s) runs in PyTorch: %s", PART_NAMES[entry.part],
                            entry.label, why)
             self._on_unsupported(PART_NAMES[entry.part], why)
-        self._stack.enter_context(routed(tuple(taken)))
+        self._stack.enter_context(routed(tuple(r for r in taken if not r.per_call)))
+        self._per_call.extend(r for r in taken if r.per_call)
         self._routed.update((id(r.module), r.method) for r, _e in new)
+
+    def sampling_routes(self) -> tuple[Any, ...]:
+        """The routes the host puts in place for each sampling call (``Route.per_call``), of every model routed."""
+        with self._lock:
+            return tuple(self._per_call)
 
     def _route_blocks(self, run: PreparedRun, model: Any, route: Any, entry: Any, other: Any) -> str:
         """Route the blocks of the UNet ``route`` whose forward ``other`` replaced: "" when they are routed (or

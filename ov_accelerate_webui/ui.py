@@ -44,6 +44,7 @@ from .options import (
     panel_values,
     read_options,
 )
+from .precompile import precompile
 from .settings import DEFAULTS, FIELD_NAMES, FIELDS, build_settings
 from .status import to_html
 
@@ -259,7 +260,7 @@ class PanelHandlers:
         """Compile the sizes; yields (progress, ready sizes) while it runs."""
         try:
             settings = build_settings(panel_values(dict(zip(FIELD_NAMES, args))))
-            for line in self.extension.precompile(sizes, int(batch or 1), settings):
+            for line in precompile(self.extension, sizes, int(batch or 1), settings):
                 yield line, self.extension.ready_sizes_text()
         except (ValueError, BackendUnavailable) as exc:
             yield f"Failed: {exc}", _safe(self.extension.ready_sizes_text)

@@ -47,7 +47,8 @@ def block_targets(unet: Target) -> list[Target]:
             continue
         items = [(f"{group}.{i}", block) for i, block in enumerate(child)] if isinstance(child, nn.ModuleList) \
             else [(group, child)]
-        targets.extend(Target(unet.part, f"{unet.path}.{name}", block, varying_dims=BLOCK_VARYING, own_code=True)
+        targets.extend(Target(unet.part, f"{unet.path}.{name}", block, varying_dims=BLOCK_VARYING, own_code=True,
+                              check=unet.check)
                        for name, block in items)
     return targets
 

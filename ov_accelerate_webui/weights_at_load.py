@@ -20,7 +20,7 @@ import torch
 from . import host
 from .accelerator import Accelerator
 from .backend_bridge import BackendUnavailable, ov_backend
-from .model_parts import UnsupportedModel, checkpoint_label, find_targets
+from .model_parts import UnsupportedModel, checkpoint_label
 from .options import read_options
 from .settings import AccelerateSettings
 
@@ -82,7 +82,7 @@ def fill_weights(accelerator: Accelerator, model: Any, state_dict: dict[str, Any
     names = {id(m): name for name, m in model.named_modules()}
     slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, str]] = []
     seen: set[int] = set()
-    for target in find_targets(model, settings.parts):
+    for target in accelerator.host.find_targets(model, settings.parts):
         prefix = names.get(id(target.module))
         if prefix is None:
             continue
@@ -153,7 +153,7 @@ def move_weights(accelerator: Accelerator, model: Any, settings: AccelerateSetti
         return None
     settings, weight_file = found
     tensors: dict[int, torch.Tensor] = {}
-    for target in find_targets(model, settings.parts):
+    for target in accelerator.host.find_targets(model, settings.parts):
         for t in (*target.module.parameters(), *target.module.buffers()):
             tensors.setdefault(id(t), t)
     result = weight_file.place(list(tensors.values()))

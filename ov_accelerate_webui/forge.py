@@ -1,0 +1,310 @@
+"""Forge as a host: where its model keeps the UNet, VAE and text encoders, and how its UNet is put on the route.
+
+Forge (and Forge Neo, which keeps the same ``backend/`` design) loads a checkpoint into a ``ForgeDiffusionEngine``
+whose ``forge_objects`` hold one patcher per part: ``unet`` (a ``UnetPatcher`` whose ``model`` is a ``KModel``
+around ``diffusion_model``, an LDM-shaped UNet), ``vae`` (``first_stage_model`` with an LDM-shaped ``encoder`` and
+``decoder``) and ``clip`` (``cond_stage_model`` with one transformers CLIP text model per encoder: ``clip_l``,
+``clip_g``, SD 2's ``clip_h``). Nothing here imports Forge: its objects are read by their attribute names, and
+its modules are found in ``sys.modules`` through :mod:`.host` (the attention).
+
+The UNet goes through Forge's own patch point: before every sampling (each batch, the hires pass, img2img) the
+section's ``process_before_every_sampling`` hook clones the batch's UnetPatcher and sets a UNet function wrapper
+on the clone (:meth:`ForgeHost.route_for_sampling`); the wrapper routes the UNet's forward for the length of each
+sampling call only. The patcher is the batch's own copy, so nothing of it outlives the batch, whatever ends it.
+
+A UNet call runs in OpenVINO only when it is the UNet's own work: Forge's extensions change that work through the
+call's ``control`` (its integrated ControlNet) and ``transformer_options`` (patches such as FreeU, Kohya HRFix,
+SAG, PAG, Token merging), whose Python a compiled graph would not follow. Such a call runs in PyTorch and the
+status names what changed it (:func:`unet_check`); every other call gets only the UNet's inputs
+(:func:`unet_inputs`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from torch import nn
+
+from . import host
+from .hosts import Attention, NoAttention
+from .model_parts import Target, UnsupportedModel, lookup, text_encoder_target
+from .routing import Route, describe, routed
+
+logger = logging.getLogger(__name__)
+
+#: (family, part, paths from ``forge_objects``), sorted. Text encoders: the names of ``clip.cond_stage_model``'s
+#: encoders the family has, in each layout Forge loads (:data:`TEXT_ENCODER_SETS`).
+TARGET_TABLE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("sd1", "unet", ("unet.model.diffusion_model",)),
+    ("sd1", "vae", ("vae.first_stage_model.decoder", "vae.first_stage_model.encoder")),
+    ("sd2", "unet", ("unet.model.diffusion_model",)),
+    ("sd2", "vae", ("vae.first_stage_model.decoder", "vae.first_stage_model.encoder")),
+    ("sdxl", "unet", ("unet.model.diffusion_model",)),
+    ("sdxl", "vae", ("vae.first_stage_model.decoder", "vae.first_stage_model.encoder")),
+)
+
+#: Where Forge keeps the text encoders, from ``forge_objects``.
+TEXT_ENCODERS = "clip.cond_stage_model"
+
+#: (family, encoder names, layout), sorted: the text encoders Forge loads for each family (``sd15.py``,
+#: ``sd20.py``, ``sdxl.py``: the SDXL refiner has OpenCLIP-bigG alone).
+TEXT_ENCODER_SETS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("sd1", ("clip_l",), "SD 1.x"),
+    ("sd2", ("clip_h",), "SD 2.x"),
+    ("sdxl", ("clip_g",), "SDXL refiner"),
+    ("sdxl", ("clip_g", "clip_l"), "SDXL base"),
+)
+
+#: Keys of a UNet call's ``transformer_options`` that only describe the call (Forge's sampler and UNet write them
+#: as it runs: which rows are cond and uncond, the sigmas, the block being run): they change nothing it computes.
+BOOKKEEPING: frozenset[str] = frozenset({
+    "block", "block_index", "cond_indices", "cond_mark", "cond_or_uncond", "n_heads", "original_shape", "sigmas",
+    "transformer_index", "uncond_indices",
+})
+
+#: The UNet's own inputs (``IntegratedUNet2DConditionModel.forward``); ``control`` and ``transformer_options`` are
+#: Forge's hooks into its work.
+UNET_INPUTS: tuple[str, ...] = ("x", "timesteps", "context", "y")
+
+#: (where a patch's code lives, what Forge calls it), sorted: Forge's built-in UNet patches, by their folder or file.
+PATCH_OWNERS: tuple[tuple[str, str], ...] = (
+    ("sd_forge_controlllite", "ControlLLLite"),
+    ("sd_forge_controlnet", "ControlNet"),
+    ("sd_forge_dynamic_thresholding", "Dynamic Thresholding"),
+    ("sd_forge_freeu", "FreeU"),
+    ("sd_forge_ipadapter", "IP-Adapter"),
+    ("sd_forge_kohya_hrfix", "Kohya HRFix"),
+    ("sd_forge_latent_modifier", "Latent Modifier"),
+    ("sd_forge_multidiffusion", "MultiDiffusion"),
+    ("sd_forge_perturbed_attention", "PAG (Perturbed Attention Guidance)"),
+    ("sd_forge_sag", "SAG (Self-Attention Guidance)"),
+    ("sd_forge_stylealign", "StyleAlign"),
+    ("tomesd", "Token merging"),
+)
+
+#: Forge's attention functions by name (``backend/attention.py``), for the status.
+ATTENTION_NAMES: dict[str, str] = {
+    "attention_basic": "basic", "attention_split": "split", "attention_sub_quad": "sub-quadratic",
+    "attention_xformers": "xformers",
+}
+
+
+def model_family(model: Any) -> str:
+    """"sd1", "sd2" or "sdxl" for a Forge model.
+
+    Raises:
+        UnsupportedModel: no model, or another family (Flux, SD3, Chroma, ...), named.
+    """
+    if model is None:
+        raise UnsupportedModel("No checkpoint is loaded. Load an SD 1.x, SD 2.x or SDXL checkpoint.")
+    if getattr(model, "forge_objects", None) is None:
+        raise UnsupportedModel(f"This model ({type(model).__name__}) has no forge_objects: it is not a model Forge "
+                               "loaded. This image was made in plain PyTorch.")
+    for family, flag in (("sdxl", "is_sdxl"), ("sd2", "is_sd2"), ("sd1", "is_sd1")):
+        if getattr(model, flag, False):
+            return family
+    kind = "SD3" if getattr(model, "is_sd3", False) else type(model).__name__
+    raise UnsupportedModel(
+        f"This checkpoint ({kind}) is not supported: in Forge, Accelerate with OpenVINO handles SD 1.x, SD 2.x "
+        "and SDXL; other families run in plain PyTorch. This image was made in plain PyTorch.")
+
+
+def find_text_encoders(objects: Any, family: str) -> list[Target]:
+    """The routed part of each text encoder in Forge's ``clip.cond_stage_model``.
+
+    Raises:
+        UnsupportedModel: an encoder of an unknown kind, or not a set Forge loads for ``family``.
+    """
+    holder = lookup(objects, TEXT_ENCODERS)
+    named = sorted(name for name, _child in holder.named_children()) if isinstance(holder, nn.Module) else []
+    targets, unknown = [], []
+    for name in named:
+        path = f"{TEXT_ENCODERS}.{name}"
+        match = text_encoder_target(lookup(objects, path), path)
+        if match is None or match[0].name != "clip":
+            unknown.append(f"{name} ({type(lookup(objects, path)).__name__})")
+        else:
+            targets.append(match[1])
+    layouts = [(names, layout) for f, names, layout in TEXT_ENCODER_SETS if f == family]
+    if not unknown and any(tuple(named) == names for names, _layout in layouts):
+        return targets
+    expected = " or ".join(f"{' + '.join(names)} ({layout})" for names, layout in layouts)
+    found = ", ".join(unknown) or ", ".join(named) or "none"
+    raise UnsupportedModel(f"The text encoders of this {family} checkpoint in Forge ({found}) are not a layout "
+                           f"Forge loads for it: expected {expected}. This image was made in plain PyTorch.")
+
+
+def find_targets(model: Any, parts: tuple[str, ...]) -> list[Target]:
+    """The modules to route for ``parts`` of Forge's ``model``, in table order (text encoders last).
+
+    Raises:
+        UnsupportedModel: another family, or a part not where Forge keeps it.
+    """
+    family = model_family(model)
+    objects = model.forge_objects
+    targets: list[Target] = []
+    for row_family, part, paths in TARGET_TABLE:
+        if row_family != family or part not in parts:
+            continue
+        for path in paths:
+            module = lookup(objects, path)
+            if not isinstance(module, nn.Module):
+                raise UnsupportedModel(f"The {part} of this {family} checkpoint was not found where Forge keeps it "
+                                       f"(forge_objects.{path}). This image was made in plain PyTorch.")
+            if part == "unet":
+                targets.append(Target(part, path, module, check=unet_check, inputs=unet_inputs, per_call=True))
+            else:
+                targets.append(Target(part, path, module))
+    if "text_encoder" in parts:
+        targets.extend(find_text_encoders(objects, family))
+    return targets
+
+
+def _callables(value: Any) -> Iterator[Any]:
+    """Every callable inside ``value`` (a patch, or lists and dicts of them)."""
+    if callable(value) and not isinstance(value, type):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _callables(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _callables(item)
+
+
+def patch_owner(function: Any) -> str:
+    """Who a UNet patch belongs to: Forge's name for a built-in (e.g. "FreeU"), else where its code is."""
+    where = describe(function)
+    return next((name for folder, name in PATCH_OWNERS if folder in where), where)
+
+
+def _patch_names(options: dict[str, Any]) -> list[str]:
+    """What changes the UNet's work in a call's ``transformer_options`` ("FreeU (output_block_patch)", ...)."""
+    found: dict[str, set[str]] = {}
+    for key, value in options.items():
+        if key in BOOKKEEPING or not value:
+            continue
+        kinds = value.items() if key in ("patches", "patches_replace") and isinstance(value, dict) else [(key, value)]
+        for kind, patches in kinds:
+            owners = [patch_owner(f) for f in _callables(patches)] or [f"transformer option {key!r}"]
+            for owner in owners:
+                found.setdefault(owner, set()).add(str(kind))
+    return [f"{owner} ({', '.join(sorted(kinds))})" for owner, kinds in sorted(found.items())]
+
+
+def unet_check(unet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Why this call of Forge's UNet must run in PyTorch ("" when it is the UNet's own work): a ControlNet's
+    residuals, a patch in its options, or an input OpenVINO's graph does not take."""
+    reasons = []
+    control = kwargs.get("control")
+    if control:
+        reasons.append("Forge's integrated ControlNet adds its residuals inside the UNet")
+    options = kwargs.get("transformer_options") or {}
+    patches = _patch_names(options) if isinstance(options, dict) else []
+    if patches:
+        reasons.append(f"{'; '.join(patches)} patch the UNet's blocks with Python code a compiled graph would not "
+                       "follow")
+    extra = sorted(k for k, v in kwargs.items()
+                   if k not in (*UNET_INPUTS, "control", "transformer_options") and v is not None)
+    if extra or len(args) > 4:
+        reasons.append(f"the UNet got inputs beyond its own ({', '.join(extra) or 'positional'})")
+    return "; ".join(reasons)
+
+
+def unet_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The UNet's own inputs of a call that passed :func:`unet_check`, as the compiled forward takes them: ``x``,
+    ``timesteps``, ``context`` (and SDXL's ``y``), with fresh, empty ``transformer_options`` (Forge's forward
+    writes its bookkeeping into them; the default would keep the last call's)."""
+    values = dict(zip(UNET_INPUTS, args))
+    values.update((k, kwargs[k]) for k in UNET_INPUTS if k in kwargs)
+    x = values.pop("x")
+    given = {k: v for k, v in values.items() if v is not None}
+    return (x,), {**given, "transformer_options": {}}
+
+
+class ForgeAttention:
+    """Context manager: while the UNet is routed, Forge's UNet attention is its scaled-dot-product one.
+
+    On the CPU, Forge picks sub-quadratic attention (``backend/attention.py``, read once into
+    ``backend.nn.unet.attention_function``): slices whose count depends on the sizes, which OpenVINO cannot
+    convert with dynamic shapes. Its ``attention_pytorch`` is the same math in one fused call. The user's choice
+    is put back when the generation ends, whatever ended it.
+    """
+
+    def __init__(self) -> None:
+        self.replaced: str | None = None
+        self._module: Any = None
+        self._saved: Callable[..., Any] | None = None
+        self._fused: Callable[..., Any] | None = None
+
+    def __enter__(self) -> ForgeAttention:
+        unet_module = host.imported_module("backend.nn.unet")
+        attention = host.imported_module("backend.attention")
+        current = getattr(unet_module, "attention_function", None)
+        fused = getattr(attention, "attention_pytorch", None)
+        if current is None or fused is None or current is fused:
+            return self
+        self._module, self._saved, self._fused = unet_module, current, fused
+        name = getattr(current, "__name__", "")
+        self.replaced = ATTENTION_NAMES.get(name, name)
+        unet_module.attention_function = fused
+        logger.info("Accelerate with OpenVINO: the routed UNet's attention is scaled dot product in place of %s "
+                    "for this generation", self.replaced)
+        return self
+
+    def ensure(self) -> None:
+        if self._module is not None and self._module.attention_function is not self._fused:
+            self._module.attention_function = self._fused
+
+    def __exit__(self, *exc: object) -> None:
+        if self._module is not None:
+            self._module.attention_function = self._saved
+        self._module = self._saved = self._fused = None
+
+
+def _wrapper(routes: tuple[Route, ...], previous: Callable[..., Any] | None) -> Callable[..., Any]:
+    """Forge's UNet function wrapper: the sampling call with ``routes`` in place (after ``previous``, a wrapper
+    another extension set, which then runs around the routed UNet). A closure, never an object: Forge deep-copies
+    a patcher's options on every clone, and a function is copied as itself."""
+
+    def openvino_unet(apply_model: Callable[..., Any], call: dict[str, Any]) -> Any:
+        with routed(routes):
+            if previous is not None:
+                return previous(apply_model, call)
+            return apply_model(call["input"], call["timestep"], **call["c"])
+
+    return openvino_unet
+
+
+class ForgeHost:
+    """Forge main (lllyasviel/stable-diffusion-webui-forge) and Forge Neo."""
+
+    name = "Forge"
+    loads_into_weight_file = False
+
+    def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
+        return find_targets(model, parts)
+
+    def attention(self) -> Attention:
+        return ForgeAttention() if host.imported_module("backend.nn.unet") is not None else NoAttention()
+
+    def route_for_sampling(self, p: Any, routes: Sequence[Route]) -> str:
+        if not routes:
+            return ""
+        objects = getattr(getattr(p, "sd_model", None), "forge_objects", None)
+        patcher = getattr(objects, "unet", None)
+        unet = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+        mine = tuple(r for r in routes if r.module is unet)
+        if not mine or not hasattr(patcher, "clone"):
+            return (f"the UNet Forge samples with ({type(unet).__name__}) is not the one routed for this generation"
+                    if unet is not None else "Forge's forge_objects.unet has no UNet to route")
+        clone = patcher.clone()
+        previous = clone.model_options.get("model_function_wrapper")
+        clone.set_model_unet_function_wrapper(_wrapper(mine, previous))
+        objects.unet = clone
+        if previous is not None:
+            logger.info("Accelerate with OpenVINO: the UNet runs in OpenVINO inside %s's UNet function wrapper",
+                        describe(previous))
+        return ""
