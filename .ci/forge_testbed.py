@@ -10,8 +10,9 @@ What ends up in ``$FORGE_ROOT`` (what tests/real_forge/forge.py uses):
   webui/          Forge's code with repositories/ at the commits its launch_utils.py pins (each with a .git whose
                   HEAD is that commit, as in the A1111 bed), and in models/ the tier's checkpoints and LoRA
                   (tests/real_forge/make_models.py: SD 1.5 as Forge's huggingface_guess recognises it, full-size
-                  CLIP-L and VAE, a UNet of a twentieth of SD 1.5's size) and a link to the A1111 bed's full-size
-                  random SD 1.5 checkpoint when that bed has one
+                  CLIP-L and VAE, a UNet of a twentieth of SD 1.5's size; make_models_sdxl.py: SDXL likewise, with
+                  full-size CLIP-L and OpenCLIP-bigG, 2.1 GB, and a random SDXL approximate VAE for live previews)
+                  and a link to the A1111 bed's full-size random SD 1.5 checkpoint when that bed has one
   venv/           Python 3.10 or 3.11 (``FORGE_PYTHON``, default python3.11): torch 2.13.0+cpu, torchvision 0.28.0,
                   every pin of Forge's requirements_versions.txt (setuptools aside, and its bare ``torch`` line
                   dropped: REQUIREMENTS), sentencepiece and joblib (imported by Forge, missing from that file)
@@ -55,9 +56,14 @@ FORGE_PINS = {
 }
 REQUIREMENTS = "requirements-forge.txt"
 EXTRA_REQUIREMENTS = ("sentencepiece", "joblib")  # imported by Forge, not in its requirements_versions.txt
-MODEL_RECIPE = "tests/real_forge/make_models.py"
-MODELS = ("Stable-diffusion/ovtest-forge-sd15-a.safetensors", "Stable-diffusion/ovtest-forge-sd15-b.safetensors",
-          "Lora/ovtest-forge-lora.safetensors")
+# recipe -> the files it writes into webui/models
+MODEL_RECIPES = {
+    "tests/real_forge/make_models.py": ("Stable-diffusion/ovtest-forge-sd15-a.safetensors",
+                                        "Stable-diffusion/ovtest-forge-sd15-b.safetensors",
+                                        "Lora/ovtest-forge-lora.safetensors"),
+    "tests/real_forge/make_models_sdxl.py": ("Stable-diffusion/ovtest-forge-sdxl.safetensors",
+                                             "VAE-approx/vaeapprox-sdxl.pt"),
+}
 SHARED_CHECKPOINT = "sd15-random.safetensors"  # the A1111 bed's full-size random SD 1.5 (linked, not built twice)
 
 
@@ -124,10 +130,11 @@ class ForgeBed(a1111.TestBed):
     # --- 6. the tier's checkpoints and LoRA, and the A1111 bed's full-size one --------------------------
     def checkpoints(self) -> None:
         models = self.webui / "models"
-        if not all((models / name).is_file() for name in MODELS):
-            say(f"models/: {', '.join(Path(name).name for name in MODELS)} (random weights, Forge's classes)")
-            self.py(Path(a1111.__file__).resolve().parents[1] / MODEL_RECIPE, self.webui, models, cwd=self.webui,
-                    PYTHONWARNINGS="ignore")
+        for recipe, files in MODEL_RECIPES.items():
+            if not all((models / name).is_file() for name in files):
+                say(f"models/: {', '.join(Path(name).name for name in files)} (random weights, Forge's classes)")
+                self.py(Path(a1111.__file__).resolve().parents[1] / recipe, self.webui, models, cwd=self.webui,
+                        PYTHONWARNINGS="ignore")
         link = models / "Stable-diffusion" / SHARED_CHECKPOINT
         theirs = self.a1111 / "webui" / "models" / "Stable-diffusion" / SHARED_CHECKPOINT
         if link.is_symlink() and not link.exists():

@@ -24,10 +24,14 @@ CHECKPOINT_B = "ovtest-forge-sd15-b.safetensors"
 """The same architecture with other weights (a checkpoint switch)."""
 LORA = "ovtest-forge-lora"
 """A kohya LoRA of CHECKPOINT_A's UNet and text encoder (the prompt's ``<lora:ovtest-forge-lora:1>``)."""
+SDXL_CHECKPOINT = "ovtest-forge-sdxl.safetensors"
+"""SDXL as huggingface_guess recognises it: full-size CLIP-L, OpenCLIP-bigG and VAE, SDXL's input side of the
+UNet at 320 channels (``make_models_sdxl.py``); its approximate VAE for live previews is in the bed too."""
 FULL_CHECKPOINT = "sd15-random.safetensors"
 """The A1111 bed's full-size random SD 1.5, linked into Forge's bed when that bed has it (slow: minutes to
 convert to OpenVINO on 2 cores)."""
-MODELS = (f"Stable-diffusion/{CHECKPOINT_A}", f"Stable-diffusion/{CHECKPOINT_B}", f"Lora/{LORA}.safetensors")
+MODELS = (f"Stable-diffusion/{CHECKPOINT_A}", f"Stable-diffusion/{CHECKPOINT_B}", f"Lora/{LORA}.safetensors",
+          f"Stable-diffusion/{SDXL_CHECKPOINT}", "VAE-approx/vaeapprox-sdxl.pt")
 SECTION_NAME = "openvino"
 """The extension's AlwaysVisible section as ``/sdapi/v1/scripts`` lists it (its title, lower-case)."""
 LAUNCH_FLAGS = (
@@ -73,13 +77,15 @@ class Forge(WebUI):
         self.run_installer()
 
     def prepare_models(self, tiny_models: bool = True) -> None:
-        """Links to every checkpoint and LoRA of the bed (the tier's, and the A1111 bed's full-size checkpoint when
-        it is there) in the data folder's models/; Forge only reads them."""
+        """Links to every checkpoint, LoRA and approximate VAE of the bed (the tier's, and the A1111 bed's
+        full-size checkpoint when it is there) in the data folder's models/; Forge only reads them."""
         bed_models = self.webui / "models"
-        for kind in ("Stable-diffusion", "Lora"):
+        for kind in ("Stable-diffusion", "Lora", "VAE-approx"):
             folder = self.data_dir / "models" / kind
             folder.mkdir(parents=True, exist_ok=True)
-            for model in sorted((bed_models / kind).glob("*.safetensors")):
+            for model in sorted((bed_models / kind).iterdir()):
+                if model.suffix not in (".safetensors", ".pt"):
+                    continue
                 link = folder / model.name
                 if model.exists() and not link.exists():
                     link.symlink_to(model.resolve())

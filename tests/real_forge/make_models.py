@@ -92,6 +92,30 @@ def diffusers_attention_names(config: dict[str, Any]) -> dict[str, str]:
     return names
 
 
+def non_degenerate(unet: Any, encoders: tuple[Any, ...], gen: Any) -> None:
+    """Any all-zero projection of ``unet`` gets PyTorch's default init; every LayerNorm of the text ``encoders``
+    a random affine (weight 1 + 0.1 N, bias 0.1 + 0.1 N, drawn from ``gen`` in module order)."""
+    import torch
+
+    projections = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)
+    with torch.no_grad():
+        for m in unet.modules():
+            if isinstance(m, projections) and not m.weight.any():
+                m.reset_parameters()
+        for encoder in encoders:
+            for m in encoder.modules():
+                if isinstance(m, torch.nn.LayerNorm):
+                    m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
+                    m.bias.copy_(0.1 + 0.1 * torch.randn(m.bias.shape, generator=gen))
+
+
+def fp16_state(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """{prefix: a module's state dict} as one checkpoint's tensors: prefixed, floating point ones in fp16,
+    transformers' ``position_ids`` buffers left out (published checkpoints vary; Forge ignores them)."""
+    return {prefix + key: (value.half() if value.is_floating_point() else value).contiguous()
+            for prefix, state in parts.items() for key, value in state.items() if not key.endswith("position_ids")}
+
+
 def build(seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """One checkpoint's tensors (fp16, LDM layout) and its modules (``unet``, ``clip``, ``vae``)."""
     import torch
@@ -105,16 +129,9 @@ def build(seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
     clip = transformers.CLIPTextModel(clip_config)
     vae = IntegratedAutoencoderKL.from_config(IntegratedAutoencoderKL.load_config(os.path.join(SD15_REPO, "vae")))
     tokenizer = transformers.CLIPTokenizer.from_pretrained(os.path.join(SD15_REPO, "tokenizer"))
-    projections = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for m in unet.modules():
-            if isinstance(m, projections) and not m.weight.any():
-                m.reset_parameters()
-        for m in clip.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
-                m.bias.copy_(0.1 + 0.1 * torch.randn(m.bias.shape, generator=gen))
+        non_degenerate(unet, (clip,), gen)
         prompts = ["", "a lighthouse", "(a red car:1.3)", "blurry"]
         tokens = tokenizer(prompts, padding="max_length", max_length=77, return_tensors="pt").input_ids
         z = clip(tokens).last_hidden_state
@@ -131,13 +148,8 @@ def build(seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
     assert eps.isfinite().all() and eps.std() > 0.05, f"UNet output std {eps.std()}"
     assert (eps[0] - eps[1]).abs().mean() > 0.01 * eps.abs().mean(), "the UNet's output ignores the prompt"
     assert 0.05 < float(image.std()) and clipped < 0.5, f"decoded image std {image.std()}, clipped {clipped}"
-    state: dict[str, Any] = {}
-    for prefix, module in (("model.diffusion_model.", unet), ("cond_stage_model.transformer.", clip),
-                           ("first_stage_model.", vae)):
-        for key, value in module.state_dict().items():
-            if key.endswith("position_ids"):
-                continue
-            state[prefix + key] = (value.half() if value.is_floating_point() else value).contiguous()
+    state = fp16_state({"model.diffusion_model.": unet.state_dict(), "cond_stage_model.transformer.": clip.state_dict(),
+                        "first_stage_model.": vae.state_dict()})
     unet_params = sum(p.numel() for p in unet.parameters())
     print(  # noqa: T201 (run by the test bed; its output is read on failure)
         f"seed {seed}: UNet {unet_params / 1e6:.1f} M parameters, conditioning means "

@@ -16,11 +16,12 @@ import pytest
 
 from tests.real_webui.webui import SCRIPT_NAME, Result, psnr
 
-from .forge import CHECKPOINT_A, CHECKPOINT_B, LORA, SECTION_NAME, Forge
+from .forge import CHECKPOINT_A, CHECKPOINT_B, LORA, SDXL_CHECKPOINT, SECTION_NAME, Forge
 
 SEED = 4321
 # Measured on these checkpoints (64x64, 3 Euler steps, CFG 5): another prompt 26.5 dB, another seed 10.6 dB,
-# the LoRA 21.5 dB, the other checkpoint 9.4 dB; the same request twice is identical (inf).
+# the LoRA 21.5 dB, the other checkpoint 9.4 dB; on SDXL another prompt 30.7 dB, another seed 10.2 dB. The same
+# request twice is identical (inf).
 MOVED_BELOW_DB = 40.0
 
 
@@ -90,6 +91,25 @@ def test_checkpoint_switch(forge: Forge, base: Any) -> None:
     assert moved < MOVED_BELOW_DB, moved
     back = one_image(forge.generate(request("a lighthouse on a cliff, (dramatic sky:1.2)")))
     assert psnr(back, base) == math.inf
+
+
+def test_sdxl_picture_is_sane(forge: Forge) -> None:
+    """Forge's SDXL path (two text encoders, the pooled output and size embedding as the UNet's ADM input, the
+    SDXL approximate VAE of live previews) on the bed's cheap SDXL checkpoint."""
+    forge.call("/sdapi/v1/options", {"sd_model_checkpoint": SDXL_CHECKPOINT})
+    try:
+        first = forge.generate(request("a lighthouse on a cliff, (dramatic sky:1.2)"))
+        base = one_image(first)
+        prompt = psnr(one_image(forge.generate(request("a red car in the rain"))), base)
+        seed = psnr(one_image(forge.generate(request("a lighthouse on a cliff, (dramatic sky:1.2)", seed=SEED + 1))),
+                    base)
+    finally:
+        forge.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A})
+    assert "Model: ovtest-forge-sdxl" in first.infotexts[0], first.infotexts[0]
+    assert base.std() > 10 and 20 < base.mean() < 235, (base.mean(), base.std())
+    forge.record("forge stock SDXL: another prompt", prompt)
+    forge.record("forge stock SDXL: another seed", seed)
+    assert prompt < MOVED_BELOW_DB and seed < MOVED_BELOW_DB, (prompt, seed)
 
 
 def test_extension_is_listed(forge: Forge) -> None:
