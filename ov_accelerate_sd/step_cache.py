@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ov_backend.weights import version_of
+
 logger = logging.getLogger(__name__)
 
 #: The intervals a user picks from (1: off).
@@ -319,7 +321,7 @@ def weights_version(module: torch.nn.Module) -> tuple[int, int]:
     or replaced: the sum of its parameters' in-place versions, and of their storage addresses."""
     versions = addresses = 0
     for p in module.parameters():
-        versions += p._version
+        versions += version_of(p)
         addresses += p.data_ptr()
     return versions, addresses
 

@@ -34,6 +34,7 @@ from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheSettings
 from .backend_bridge import BackendApi
 from .compiled_route import CompiledRoute, compile_route, f32_route, make_forward
 from .finite_guard import F32Switch
+from .hosts import Host, detect
 from .lora import LoraChange, LoraHook
 from .model_parts import Target, checkpoint_key
 from .routing import Route, mark_ours
@@ -41,8 +42,6 @@ from .settings import AccelerateSettings
 
 if TYPE_CHECKING:
     from ov_backend import CompileReport, OVBackend
-
-    from .hosts import Host
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +90,7 @@ class Accelerator:
             and with None after it (the WebUI shows it in its progress text).
         host: the WebUI (:mod:`.hosts`; None: the one running, ``hosts.detect()``): where the parts are.
         """
-        if host is None:
-            from .hosts import detect
-
-            host = detect()
-        self.host = host
+        self.host = host if host is not None else detect()
         """The WebUI the routed models belong to."""
         self._notify = notify or (lambda text: None)
         self._lock = threading.RLock()
@@ -172,16 +167,21 @@ class Accelerator:
             finally:
                 self._notify(None)
 
-    def extend(self, run: PreparedRun, model: Any) -> PreparedRun:
-        """The routes of ``model``, another model A1111 switched to during ``run`` (a refiner, a hires
-        checkpoint, the selected model again): same backends, nothing dropped.
+    def extend(self, run: PreparedRun, model: Any, replace: bool = False) -> PreparedRun:
+        """The routes of ``model``, another model the WebUI switched to during ``run`` (a refiner, a hires
+        checkpoint, the selected model again): same backends, nothing dropped. ``replace``: ``model`` takes the
+        place of ``run``'s model, loaded before any route was called (Forge loads the request's checkpoint inside
+        ``process_images``): what was compiled for the old one is dropped, as for a load between generations.
 
         Raises:
             UnsupportedModel: the model cannot be accelerated.
         """
         targets = self.host.find_targets(model, run.settings.parts)
         with self._lock:
-            self._checkpoints.add(checkpoint_key(model))
+            if replace:
+                self._switch_to(model, checkpoint_key(model))
+            else:
+                self._checkpoints.add(checkpoint_key(model))
             return self._prepared(model, targets, run.choice, run.settings, run.f32_choice, run.mark, run.step_cache)
 
     def routes_for(self, run: PreparedRun, model: Any, targets: list[Target]) -> PreparedRun:

@@ -20,7 +20,6 @@ from .controlnet import control_units
 from .generation import (
     Generation,
     InfotextEntry,
-    Job,
     NotAccelerated,
     RunRecord,
     append_comment,
@@ -29,6 +28,7 @@ from .generation import (
 )
 from .hosts import Host, detect
 from .infotext import WRITTEN_KEYS
+from .job import Job
 from .model_parts import UnsupportedModel, checkpoint_key, checkpoint_label
 from .options import read_options
 from .precompile import ReadySizes, Size

@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from . import host
-from .hosts import Attention, NoAttention
+from .hosts import Attention
 from .model_parts import Target, UnsupportedModel, lookup, text_encoder_target
 from .routing import Route, describe, routed
 
@@ -84,10 +84,18 @@ PATCH_OWNERS: tuple[tuple[str, str], ...] = (
     ("tomesd", "Token merging"),
 )
 
-#: Forge's attention functions by name (``backend/attention.py``), for the status.
+#: (part, Forge module, its attention function, Forge's fused one), sorted: the attention each routed part runs while
+#: routed (``backend/attention.py`` picks them once, at import, and the modules keep what it picked).
+ATTENTION_SWAPS: tuple[tuple[str, str, str, str], ...] = (
+    ("unet", "backend.nn.unet", "attention_function", "attention_pytorch"),
+    ("vae", "backend.nn.vae", "attention_function_single_head_spatial", "pytorch_attention_single_head_spatial"),
+)
+
+#: Forge's attention functions by name, for the status.
 ATTENTION_NAMES: dict[str, str] = {
     "attention_basic": "basic", "attention_split": "split", "attention_sub_quad": "sub-quadratic",
-    "attention_xformers": "xformers",
+    "attention_xformers": "xformers", "normal_attention_single_head_spatial": "split",
+    "xformers_attention_single_head_spatial": "xformers",
 }
 
 
@@ -225,43 +233,47 @@ def unet_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[An
 
 
 class ForgeAttention:
-    """Context manager: while the UNet is routed, Forge's UNet attention is its scaled-dot-product one.
+    """Context manager: while the UNet and the VAE are routed, their attention is Forge's scaled-dot-product one.
 
-    On the CPU, Forge picks sub-quadratic attention (``backend/attention.py``, read once into
-    ``backend.nn.unet.attention_function``): slices whose count depends on the sizes, which OpenVINO cannot
-    convert with dynamic shapes. Its ``attention_pytorch`` is the same math in one fused call. The user's choice
-    is put back when the generation ends, whatever ended it.
+    On the CPU, Forge picks sub-quadratic attention for the UNet (slices whose count depends on the sizes, which
+    OpenVINO cannot convert with dynamic shapes) and split attention for the VAE (which asks psutil for the free
+    memory on each call, where dynamo breaks the graph). Forge's ``attention_pytorch`` and
+    ``pytorch_attention_single_head_spatial`` are the same math in one fused call. The user's choice is put back
+    when the generation ends, whatever ended it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, parts: tuple[str, ...]) -> None:
+        self.parts = parts
         self.replaced: str | None = None
-        self._module: Any = None
-        self._saved: Callable[..., Any] | None = None
-        self._fused: Callable[..., Any] | None = None
+        self._saved: list[tuple[Any, str, Any, Any]] = []
 
     def __enter__(self) -> ForgeAttention:
-        unet_module = host.imported_module("backend.nn.unet")
         attention = host.imported_module("backend.attention")
-        current = getattr(unet_module, "attention_function", None)
-        fused = getattr(attention, "attention_pytorch", None)
-        if current is None or fused is None or current is fused:
-            return self
-        self._module, self._saved, self._fused = unet_module, current, fused
-        name = getattr(current, "__name__", "")
-        self.replaced = ATTENTION_NAMES.get(name, name)
-        unet_module.attention_function = fused
-        logger.info("Accelerate with OpenVINO: the routed UNet's attention is scaled dot product in place of %s "
-                    "for this generation", self.replaced)
+        names = []
+        for part, module_name, attribute, fused_name in ATTENTION_SWAPS:
+            module = host.imported_module(module_name)
+            current, fused = getattr(module, attribute, None), getattr(attention, fused_name, None)
+            if part not in self.parts or current is None or fused is None or current is fused:
+                continue
+            self._saved.append((module, attribute, current, fused))
+            setattr(module, attribute, fused)
+            name = getattr(current, "__name__", "")
+            names.append(ATTENTION_NAMES.get(name, name) + ("" if part == "unet" else f" in the {part.upper()}"))
+        if names:
+            self.replaced = ", and ".join(names)
+            logger.info("Accelerate with OpenVINO: scaled dot product attention in place of %s for this generation",
+                        self.replaced)
         return self
 
     def ensure(self) -> None:
-        if self._module is not None and self._module.attention_function is not self._fused:
-            self._module.attention_function = self._fused
+        for module, attribute, _current, fused in self._saved:
+            if getattr(module, attribute) is not fused:
+                setattr(module, attribute, fused)
 
     def __exit__(self, *exc: object) -> None:
-        if self._module is not None:
-            self._module.attention_function = self._saved
-        self._module = self._saved = self._fused = None
+        for module, attribute, current, _fused in reversed(self._saved):
+            setattr(module, attribute, current)
+        self._saved = []
 
 
 def _wrapper(routes: tuple[Route, ...], previous: Callable[..., Any] | None) -> Callable[..., Any]:
@@ -287,8 +299,8 @@ class ForgeHost:
     def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
         return find_targets(model, parts)
 
-    def attention(self) -> Attention:
-        return ForgeAttention() if host.imported_module("backend.nn.unet") is not None else NoAttention()
+    def attention(self, parts: tuple[str, ...]) -> Attention:
+        return ForgeAttention(parts)
 
     def route_for_sampling(self, p: Any, routes: Sequence[Route]) -> str:
         if not routes:

@@ -33,7 +33,7 @@ class Attention(Protocol):
     """A context manager that gives the routed UNet one fused attention for a generation."""
 
     replaced: str | None
-    """The name of the attention replaced for the generation (None: nothing was)."""
+    """The name of the attention replaced for the generation (None: nothing was), for the status."""
 
     def __enter__(self) -> Attention: ...
 
@@ -54,8 +54,8 @@ class Host(Protocol):
     def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
         """The modules to route for ``parts`` of ``model``. Raises ``model_parts.UnsupportedModel``."""
 
-    def attention(self) -> Attention:
-        """The fused attention for the routed UNet during one generation."""
+    def attention(self, parts: tuple[str, ...]) -> Attention:
+        """The fused attention of the routed ``parts`` during one generation."""
 
     def route_for_sampling(self, p: Any, routes: Sequence[Route]) -> str:
         """Before a sampling (each batch, the hires pass): put ``routes`` (those of targets marked ``per_call``)
@@ -72,8 +72,8 @@ class A1111Host:
     def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
         return find_targets(model, parts)
 
-    def attention(self) -> Attention:
-        return FusedAttention()
+    def attention(self, parts: tuple[str, ...]) -> Attention:
+        return FusedAttention() if "unet" in parts else NoAttention()
 
     def route_for_sampling(self, p: Any, routes: Sequence[Route]) -> str:
         return ""  # every route stays for the whole generation: no target is per call

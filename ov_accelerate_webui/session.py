@@ -24,26 +24,12 @@ from ov_accelerate_sd.openvino_entry import PART_NAMES
 
 from .accelerator import Accelerator, PreparedRun
 from .controlnet import ControlUnit, control_targets
-from .finite_guard import F32Switch
 from .model_parts import Target, UnsupportedModel, checkpoint_key
 from .routing import describe, foreign, routed
+from .session_report import BLOCKS_UNCACHED, BYPASSED, SessionReport, reached
 from .unet_blocks import block_targets, blocks_blocked, patched_inside
 
 logger = logging.getLogger(__name__)
-
-
-def _reached(entry: Any) -> int:
-    """Calls that reached the routed method: through OpenVINO, or in PyTorch by its own choice (Token merging)."""
-    return entry.calls + entry.pytorch_calls
-
-
-#: Why a UNet route in place ran no sampling step.
-BYPASSED = ("sampling steps ran but none called the routed forward, and nothing replaced it: something (another "
-            "extension) called the model's own forward directly")
-
-
-#: Why a UNet run block by block is not step cached.
-BLOCKS_UNCACHED = "another extension's forward ran its blocks one by one, which step caching does not split"
 
 
 def _is_unet_forward(entry: Any, route: Any) -> bool:
@@ -56,7 +42,7 @@ def model_name(model: Any) -> str:
     return str(getattr(info, "name_for_extra", None) or checkpoint_key(model))
 
 
-class RoutingSession:
+class RoutingSession(SessionReport):
     """Routes the loaded model for one ``process_images`` call and every model A1111 switches to in it.
 
     Args:
@@ -88,7 +74,7 @@ class RoutingSession:
         self._stack = contextlib.ExitStack()
         self._routed: set[tuple[int, str]] = set()
         self._models: list[tuple[weakref.ReferenceType, str]] = []
-        self._first_model = model
+        self.first_model = model
         #: route key -> what replaced its method: [why, calls of our route when first seen, steps seen, said]
         self._foreign: dict[tuple[int, str], list[Any]] = {}
         #: UNet route key -> [calls of our route at the first step seen, steps seen, said]: sampling steps that
@@ -114,8 +100,8 @@ class RoutingSession:
     def __enter__(self) -> RoutingSession:
         self._stack.__enter__()
         try:
-            self._route(self.first, self._first_model)
-            self._models.append((weakref.ref(self._first_model), checkpoint_key(self._first_model)))
+            self._route(self.first, self.first_model)
+            self._models.append((weakref.ref(self.first_model), checkpoint_key(self.first_model)))
         except BaseException:
             self._stack.close()
             raise
@@ -146,7 +132,7 @@ class RoutingSession:
                 if not blocked:
                     continue
                 why += f"; its blocks cannot run in OpenVINO one by one: {blocked}"
-            self._foreign[(id(route.module), route.method)] = [why, _reached(entry), 0, True]
+            self._foreign[(id(route.module), route.method)] = [why, reached(entry), 0, True]
             logger.warning("Accelerate with OpenVINO: %s (%s) runs in PyTorch: %s", PART_NAMES[entry.part],
                            entry.label, why)
             self._on_unsupported(PART_NAMES[entry.part], why)
@@ -240,19 +226,20 @@ class RoutingSession:
                                    "which does not call the accelerated one")
                             if blocked:
                                 why += f"; its blocks cannot run in OpenVINO one by one: {blocked}"
-                            self._foreign[key] = [why, _reached(entry), 1, False]
+                            self._foreign[key] = [why, reached(entry), 1, False]
                         elif other is None and entry.part == "unet" and loaded:
                             self._check_called(key, entry)
                         continue
                     seen[2] += 1
-                    if not seen[3] and _reached(entry) == seen[1]:
+                    if not seen[3] and reached(entry) == seen[1]:
                         seen[3] = True
                         logger.warning("Accelerate with OpenVINO: %s (%s) ran in PyTorch: %s",
                                        PART_NAMES[entry.part], entry.label, seen[0])
                         self._on_unsupported(PART_NAMES[entry.part], seen[0])
 
     def follow(self, model: Any) -> None:
-        """Route ``model`` if it is a model (or holds module objects) this session has not routed yet."""
+        """Route ``model`` if it is a model (or holds module objects) this session has not routed yet. A new model
+        object before any routed call replaces the generation's model (:meth:`_restart`)."""
         if model is None:
             return
         with self._lock:
@@ -264,8 +251,43 @@ class RoutingSession:
                         self._models[i] = (ref, ckpt)
                         self._add(model, ckpt, note_new=False)
                     return
+            if self._untouched():
+                self._restart(model, ckpt)
+                return
             self._models.append((weakref.ref(model), ckpt))
             self._add(model, ckpt, note_new=True)
+
+    def _untouched(self) -> bool:
+        """Whether nothing routed was called yet in this generation (one model routed, no call reached it)."""
+        run = self.first
+        return len(self.runs) == 1 and not self._blocks and all(
+            e.calls == c and e.pytorch_calls == p for e, c, p in zip(run.entries, run.calls_before, run.pytorch_before))
+
+    def _restart(self, model: Any, ckpt: str) -> None:
+        """``model``, a new model object, was loaded before anything routed was called: the checkpoint the request
+        asked for, which Forge loads inside ``process_images`` (and A1111 for an override of another architecture).
+        The model the generation started with is put back and let go (the WebUI drops it), with what was compiled
+        for it, as for a load between generations; ``model`` becomes the generation's model."""
+        name = model_name(model)
+        try:
+            run = self.accelerator.extend(self.first, model, replace=True)
+        except UnsupportedModel as exc:
+            self.events.append(f"{name}: ran in plain PyTorch ({exc})")
+            logger.warning("Accelerate with OpenVINO: %s, loaded for this generation: %s", name, exc)
+            self._on_unsupported(name, str(exc))
+            return
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
+        self._routed.clear()
+        self._per_call.clear()
+        self._foreign.clear()
+        self._bypassed.clear()
+        self.first, self.first_model, self.runs, self.run_names = run, model, [run], [""]
+        self._run_models = [weakref.ref(model)]
+        self._models = [(weakref.ref(model), ckpt)]
+        logger.info("Accelerate with OpenVINO: %s loaded before sampling: routed in place of the generation's first "
+                    "model", name)
+        self._route(run, model)
 
     def _add(self, model: Any, ckpt: str, note_new: bool) -> None:
         name = model_name(model)
@@ -290,9 +312,9 @@ class RoutingSession:
 
     def _check_called(self, key: tuple[int, str], entry: Any) -> None:
         """A UNet route still in place that no sampling step calls: something runs the class's own forward."""
-        seen = self._bypassed.setdefault(key, [_reached(entry), 0, False])
+        seen = self._bypassed.setdefault(key, [reached(entry), 0, False])
         seen[1] += 1
-        if seen[1] >= 2 and not seen[2] and _reached(entry) == seen[0]:
+        if seen[1] >= 2 and not seen[2] and reached(entry) == seen[0]:
             seen[2] = True
             logger.warning("Accelerate with OpenVINO: UNet (%s) ran in PyTorch: %s", entry.label, BYPASSED)
             self._on_unsupported(PART_NAMES[entry.part], BYPASSED)
@@ -301,92 +323,3 @@ class RoutingSession:
         """Checkpoint keys of every model this session routed."""
         with self._lock:
             return list(dict.fromkeys(ckpt for _ref, ckpt in self._models))
-
-    def calls(self) -> dict[str, int]:
-        """Route label -> calls during the session; routes of models switched to are prefixed by their name."""
-        result: dict[str, int] = {}
-        seen: set[int] = set()
-        with self._lock:
-            for run, name in zip(self.runs, self.run_names):
-                for entry, before in zip(run.entries, run.calls_before):
-                    if id(entry) in seen:  # the same module object, counted under its first name
-                        continue
-                    seen.add(id(entry))
-                    key = f"{name}: {entry.label}" if name else entry.label
-                    result[key] = result.get(key, 0) + entry.calls - before + self._calls_by_blocks(entry)
-        return result
-
-    def _calls_by_blocks(self, unet: Any) -> int:
-        """The UNet evaluations of ``unet``'s route that ran through its blocks (each calls the first input
-        block once)."""
-        for blocks, _who, entry in self._blocks.values():
-            if entry is unet:
-                first = next(i for i, e in enumerate(blocks.entries) if e.label.endswith(".input_blocks.0"))
-                return blocks.entries[first].calls - blocks.calls_before[first]
-        return 0
-
-    def f32(self) -> dict[str, tuple[F32Switch, bool]]:
-        """Route label (named as in :meth:`calls`) -> (why it ran at f32 at automatic precision, whether it
-        switched during the session); only such routes."""
-        result: dict[str, tuple[F32Switch, bool]] = {}
-        seen: set[str] = set()
-        with self._lock:
-            for run, name in zip(self.runs, self.run_names):
-                for label, switch in self.accelerator.f32_since(run).items():
-                    key = f"{name}: {label}" if name else label
-                    if key not in seen:
-                        seen.add(key)
-                        result[key] = switch
-            for blocks in self._block_runs:
-                result.update(self.accelerator.f32_since(blocks))
-        return result
-
-    def eager(self) -> dict[str, tuple[int, str]]:
-        """Route label (named as in :meth:`calls`) -> (calls dynamo ran in plain PyTorch, why); only routes
-        that had such calls."""
-        result: dict[str, tuple[int, str]] = {}
-        seen: set[int] = set()
-        with self._lock:
-            for run, name in zip(self.runs, self.run_names):
-                for entry, before in zip(run.entries, run.eager_before):
-                    if id(entry) in seen:
-                        continue
-                    seen.add(id(entry))
-                    if entry.eager_calls > before:
-                        key = f"{name}: {entry.label}" if name else entry.label
-                        result[key] = (entry.eager_calls - before, entry.eager_reason)
-            for blocks in self._block_runs:
-                for entry, before in zip(blocks.entries, blocks.eager_before):
-                    if entry.eager_calls > before:
-                        result[entry.label] = (entry.eager_calls - before, entry.eager_reason)
-        return result
-
-    def step_cache_off(self) -> dict[str, str]:
-        """Route label -> why step caching could not split its module (it ran uncached)."""
-        off = {e.label: e.step_cache_off for run in self.runs for e in run.entries if e.step_cache_off}
-        return {**off, **{entry.label: BLOCKS_UNCACHED for _b, _who, entry in self._blocks.values()}}
-
-    def pytorch(self) -> dict[str, tuple[int, str]]:
-        """Route label (named as in :meth:`calls`) -> (calls run in PyTorch, why); only routes that had such
-        calls: on the module's own method (Token merging), or through another extension's replacement of the
-        routed method that never called the accelerated one (counted in sampling steps)."""
-        result: dict[str, tuple[int, str]] = {}
-        seen: set[int] = set()
-        with self._lock:
-            for run, name in zip(self.runs, self.run_names):
-                for route, entry, before in zip(run.routes, run.entries, run.pytorch_before):
-                    if id(entry) in seen:
-                        continue
-                    seen.add(id(entry))
-                    key = f"{name}: {entry.label}" if name else entry.label
-                    if entry.pytorch_calls > before:
-                        result[key] = (entry.pytorch_calls - before, entry.pytorch_reason)
-                    replaced = self._foreign.get((id(route.module), route.method))
-                    if replaced is not None and _reached(entry) == replaced[1]:
-                        result[key] = (replaced[2], replaced[0] + " (calls counted in sampling steps)")
-                    bypassed = self._bypassed.get((id(route.module), route.method))
-                    if bypassed is not None and bypassed[2] and _reached(entry) == bypassed[0]:
-                        result[key] = (bypassed[1], BYPASSED + " (calls counted in sampling steps)")
-            for name, (steps, why) in self._control_pytorch.items():
-                result[name] = (steps, why + " (calls counted in sampling steps)")
-        return result

@@ -54,12 +54,19 @@ def is_weight_placeholder(node_name: str) -> bool:
 _State = tuple["weakref.ref[torch.Tensor]", int, int]
 
 
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter; -1 for an inference tensor (made under ``torch.inference_mode``, as Forge
+    loads its weights), which has none: such a tensor is told apart only by its identity and storage (it can be
+    written in place only inside inference mode, and Forge's LoRA loader sets new tensors instead)."""
+    return -1 if t.is_inference() else t._version
+
+
 def _state(t: torch.Tensor) -> _State:
-    return (weakref.ref(t), t.data_ptr(), t._version)
+    return (weakref.ref(t), t.data_ptr(), version_of(t))
 
 
 def _same(t: torch.Tensor, state: _State) -> bool:
-    return state[0]() is t and t._version == state[2] and t.data_ptr() == state[1]
+    return state[0]() is t and version_of(t) == state[2] and t.data_ptr() == state[1]
 
 
 class WeightWatch:
@@ -142,7 +149,7 @@ class DigestMemo:
 
             self._forget_later(remove)
 
-        state = (weakref.ref(t, forget), t.data_ptr(), t._version)
+        state = (weakref.ref(t, forget), t.data_ptr(), version_of(t))
         with self._lock:
             self._forget_later.drain()
             known[key] = (state, digest)
