@@ -167,7 +167,19 @@ def find_targets(model: Any, parts: tuple[str, ...]) -> list[Target]:
                 targets.append(Target(part, path, module))
     if "text_encoder" in parts:
         targets.extend(find_text_encoders(objects, family))
+    for target in targets:
+        settle_grad_flags(target.module)
     return targets
+
+
+def settle_grad_flags(module: nn.Module) -> None:
+    """Clear ``requires_grad`` on ``module``'s parameters. Forge builds its modules with the flag set (PyTorch's
+    default) and computes under inference mode, where it means nothing; its LoRA loader sets new weights without
+    it, and dynamo's guards check the flag: the first LoRA would make dynamo capture every routed method again (a
+    conversion instead of a compile). The values are untouched."""
+    for param in module.parameters():
+        if param.requires_grad:
+            param.requires_grad_(False)
 
 
 def _callables(value: Any) -> Iterator[Any]:
