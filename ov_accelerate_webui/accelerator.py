@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -126,22 +127,25 @@ class Accelerator:
         ``step_cache``: how step caching runs (its depth and full steps; the interval is ``settings.step_cache``).
         ``weights_in_file``: PyTorch's copy of the weights moves into a memory-mapped file before their first compile
         (the backends' ``weights_in_file``). ``cache_max_bytes``: the disk cache's size limit (the backends'
-        ``cache_max_bytes``; 0: none; None: the backend's default).
+        ``cache_max_bytes``; 0: none; None: the backend's default). ``model`` a stand-in for the checkpoint the WebUI
+        loads inside ``process_images`` (``Host.stand_in``): nothing routed yet, the model the WebUI loads is routed
+        then (:meth:`extend` with ``replace``).
 
         Raises:
             UnsupportedModel: the model cannot be accelerated.
             ValueError: the backend rejected the settings (e.g. an unknown device).
         """
-        targets = self.host.find_targets(model, settings.parts)
+        pending = self.host.stand_in(model)
+        targets = [] if pending else self.host.find_targets(model, settings.parts)
         choice = dataclasses.replace(settings.backend_choice(default_cache_dir), weights_in_file=weights_in_file,
                                      cache_max_bytes=cache_max_bytes)
         f32_choice = dataclasses.replace(choice, precision="f32") if choice.precision != "f32" else None
         ckpt = checkpoint_key(model)
         with self._lock:
             self._last = (settings, choice)
-            if ckpt not in self._checkpoints:
+            if ckpt not in self._checkpoints and not pending:
                 self._switch_to(model, ckpt)
-            for part in {t.part for t in targets}:
+            for part in {t.part for t in targets} or settings.parts:
                 self.backends.backend(choice.for_part(part))  # checks the settings before anything runs
             # a generation is a use window: compiled models it does not call are released when another
             # is built (another size, a LoRA change), so memory holds what this generation uses
@@ -236,12 +240,14 @@ class Accelerator:
         if entry is None:
             if entries:
                 logger.info("%s is a new module object: compiling it too", target.label)
-            function = getattr(type(target.module), target.method, None)
-            source = getattr(target.module, target.method)
+            function = target.compiled or getattr(type(target.module), target.method, None)
+            method = getattr(target.module, target.method)
+            source = types.MethodType(target.compiled, target.module) if target.compiled is not None else method
             entry = compile_route(
                 target.part, target.label, weakref.ref(target.module), source, self.backends.counter(choice),
                 dict(target.varying_dims) if target.varying_dims is not None else VARYING_DIMS,
                 getattr(function, "__code__", None), target.method, target.own_code,
+                method if target.compiled is not None else None,
             )
             entries.append(entry)
         return entry

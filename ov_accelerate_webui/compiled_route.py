@@ -94,10 +94,14 @@ class CompiledRoute:
     """How the last call ran the module: its whole compiled method (None) or step caching's methods at one
     depth (see :meth:`run_by`)."""
 
+    own: Callable[..., Any] | None = None
+    """The routed method as it was before routing, when what is compiled is another function of the module
+    (``model_parts.Target.compiled``); None: the compiled one."""
+
     @property
     def source(self) -> Callable[..., Any]:
-        """The routed method as it was before routing (what the route, and an f32 build, compile)."""
-        return self.compiled.source
+        """The routed method as it was before routing (what a call in PyTorch runs)."""
+        return self.own if self.own is not None else self.compiled.source
 
     def release(self) -> int:
         """Release the compiled models of this route and of its f32 build (their converted models stay:
@@ -147,20 +151,21 @@ def compile_route(
     code: CodeType | None,
     method: str = "forward",
     own_code: bool = False,
+    own: Callable[..., Any] | None = None,
 ) -> CompiledRoute:
     """A route whose method is ``source`` compiled through ``counter``'s backend (``ov_backend.CompiledMethod``);
     ``method`` is the name the routed module's method is replaced under, ``code`` the code object dynamo
     keeps its compiled variants on, ``own_code`` whether to compile a copy with its own (see
-    ``ov_backend.CompiledMethod``)."""
+    ``ov_backend.CompiledMethod``), ``own`` the routed method when ``source`` is another function."""
     compiled = ov_backend.CompiledMethod(source, counter, varying_dims, method, None if own_code else code, own_code)
-    return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=compiled)
+    return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=compiled, own=own)
 
 
 def f32_route(entry: CompiledRoute, counter: GraphRunCounter) -> CompiledRoute:
     """``entry``'s route built again through ``counter`` (the f32 backend's)."""
     like = entry.compiled
     return compile_route(entry.part, entry.label, entry.module_ref, like.source, counter, like.varying, like.code,
-                         like.attribute, like.own_code)
+                         like.attribute, like.own_code, entry.own)
 
 
 def make_forward(

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import host
@@ -84,8 +85,9 @@ PATCH_OWNERS: tuple[tuple[str, str], ...] = (
     ("tomesd", "Token merging"),
 )
 
-#: (part, Forge module, its attention function, Forge's fused one), sorted: the attention each routed part runs while
-#: routed (``backend/attention.py`` picks them once, at import, and the modules keep what it picked).
+#: (part, Forge module, its attention function, Forge's fused one in ``backend.attention``), sorted: the attention
+#: each routed part runs while routed (``backend/attention.py`` picks them once, at import, and the modules keep
+#: what it picked).
 ATTENTION_SWAPS: tuple[tuple[str, str, str, str], ...] = (
     ("unet", "backend.nn.unet", "attention_function", "attention_pytorch"),
     ("vae", "backend.nn.vae", "attention_function_single_head_spatial", "pytorch_attention_single_head_spatial"),
@@ -162,7 +164,8 @@ def find_targets(model: Any, parts: tuple[str, ...]) -> list[Target]:
                 raise UnsupportedModel(f"The {part} of this {family} checkpoint was not found where Forge keeps it "
                                        f"(forge_objects.{path}). This image was made in plain PyTorch.")
             if part == "unet":
-                targets.append(Target(part, path, module, check=unet_check, inputs=unet_inputs, per_call=True))
+                targets.append(Target(part, path, module, check=unet_check, inputs=unet_inputs, compiled=unet_forward,
+                                      per_call=True))
             else:
                 targets.append(Target(part, path, module))
     if "text_encoder" in parts:
@@ -234,14 +237,20 @@ def unet_check(unet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 
 def unet_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The UNet's own inputs of a call that passed :func:`unet_check`, as the compiled forward takes them: ``x``,
-    ``timesteps``, ``context`` (and SDXL's ``y``), with fresh, empty ``transformer_options`` (Forge's forward
-    writes its bookkeeping into them; the default would keep the last call's)."""
+    """The UNet's own inputs of a call that passed :func:`unet_check`, as :func:`unet_forward` takes them: ``x``,
+    ``timesteps``, ``context`` (and SDXL's ``y``)."""
     values = dict(zip(UNET_INPUTS, args))
     values.update((k, kwargs[k]) for k in UNET_INPUTS if k in kwargs)
     x = values.pop("x")
-    given = {k: v for k, v in values.items() if v is not None}
-    return (x,), {**given, "transformer_options": {}}
+    return (x,), {k: v for k, v in values.items() if v is not None}
+
+
+def unet_forward(unet: nn.Module, x: torch.Tensor, timesteps: torch.Tensor | None = None,
+                 context: torch.Tensor | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
+    """What is compiled for Forge's UNet: its forward with ``transformer_options`` of its own. The forward writes
+    its bookkeeping (the input's shape, the block it is in) into that dict; a dict from outside the graph would
+    make those sizes outputs of it, and the graph would be converted for each size on its own."""
+    return type(unet).forward(unet, x, timesteps, context, y, transformer_options={})
 
 
 class ForgeAttention:
@@ -310,6 +319,10 @@ class ForgeHost:
 
     def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
         return find_targets(model, parts)
+
+    def stand_in(self, model: Any) -> bool:
+        # None, or Forge's FakeInitialModel: Forge loads the selected checkpoint at the first generation
+        return getattr(model, "forge_objects", None) is None
 
     def attention(self, parts: tuple[str, ...]) -> Attention:
         return ForgeAttention(parts)

@@ -54,6 +54,10 @@ class Host(Protocol):
     def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
         """The modules to route for ``parts`` of ``model``. Raises ``model_parts.UnsupportedModel``."""
 
+    def stand_in(self, model: Any) -> bool:
+        """Whether ``model`` only stands in for the checkpoint the WebUI loads inside ``process_images`` (Forge,
+        lazily, on the first generation): the generation then routes the model loaded there."""
+
     def attention(self, parts: tuple[str, ...]) -> Attention:
         """The fused attention of the routed ``parts`` during one generation."""
 
@@ -71,6 +75,9 @@ class A1111Host:
 
     def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
         return find_targets(model, parts)
+
+    def stand_in(self, model: Any) -> bool:
+        return False  # A1111 loads a checkpoint as it starts and when the user picks one, before the request
 
     def attention(self, parts: tuple[str, ...]) -> Attention:
         return FusedAttention() if "unet" in parts else NoAttention()

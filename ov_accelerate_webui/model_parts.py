@@ -105,6 +105,9 @@ class Target:
     inputs: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None = None
     """What the compiled method is given of a routed call that passed :attr:`check` (None: the call's own
     arguments), e.g. Forge's UNet call without its per-step bookkeeping."""
+    compiled: Callable[..., Any] | None = None
+    """A function of (module, *inputs) compiled in place of the method itself (None: the method), for a method that
+    should not be traced as it is (Forge's UNet forward writes into a dict its caller passes)."""
     per_call: bool = False
     """Routed for each sampling call by the host's own patch point (Forge's UNet function wrapper) instead of for
     the whole generation."""

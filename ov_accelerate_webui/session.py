@@ -65,7 +65,7 @@ class RoutingSession(SessionReport):
         self.accelerator = accelerator
         self.first = first
         self.runs: list[PreparedRun] = [first]
-        self._run_models: list[weakref.ReferenceType] = [weakref.ref(model)]
+        self._run_models: list[Any] = [weakref.ref(model) if model is not None else lambda: None]
         """The model object of each run (the UNet of the model loaded now is the one sampling calls)."""
         self.run_names: list[str] = [""]
         self.events: list[str] = []
@@ -101,7 +101,8 @@ class RoutingSession(SessionReport):
         self._stack.__enter__()
         try:
             self._route(self.first, self.first_model)
-            self._models.append((weakref.ref(self.first_model), checkpoint_key(self.first_model)))
+            if self.first.routes:  # (none: a stand-in for the model the WebUI loads inside the generation, see follow)
+                self._models.append((weakref.ref(self.first_model), checkpoint_key(self.first_model)))
         except BaseException:
             self._stack.close()
             raise

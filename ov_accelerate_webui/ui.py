@@ -1,4 +1,4 @@
-"""The panel of the script (gradio 3.41) and the "OpenVINO" section of the Settings tab.
+"""The panel of the script (gradio 3.41 in A1111, 4.40 in Forge) and the "OpenVINO" section of the Settings tab.
 
 Controls are made from :data:`settings.FIELDS` (label, hint, default), so the order of ``ui()``'s
 return value, of ``script_args`` and of the settings section is the dataclass field order. Element
@@ -56,6 +56,13 @@ logger = logging.getLogger(__name__)
 #: event that fires when another extension's generation ends, and dropdown scripts get no hook after
 #: ``run``); the same status is also in ``Processed.comments``, shown in that element.
 RESULT_ELEM_ID = "html_info_{tab}"
+#: The element beside it with the run's log ("Time taken", errors), which changes with every generation.
+RESULT_LOG_ELEM_ID = "html_log_{tab}"
+#: The JavaScript guard of that refresh (``javascript/openvino_accelerate.js``): it lets the call through only when
+#: the text of the result elements changed since this panel last saw it. gradio 4 (Forge) fires an HTML
+#: component's ``change`` at every update of the page (each event's progress re-renders the layout), so
+#: unguarded, each refresh fired the next one: an endless stream of calls while the page was open.
+RESULT_GUARD_JS = "() => ovAccelerate.whenResultChanged({key}, {ids})"
 
 CONFIG_CLASS = "ov-accelerate-config"
 
@@ -203,33 +210,38 @@ def build_panel(script: Any, extension: Any, is_img2img: bool) -> Panel:
         handlers.clear_cache,
         inputs=[fields["cache_dir"], confirmed],
         outputs=[cache_size],
-        _js="ovAccelerate.confirmClear",
+        **_event_js(gr, "ovAccelerate.confirmClear"),
     )
     refresh.click(handlers.refresh, inputs=[fields["cache_dir"]], outputs=[cache_size, ready, status])
     outputs = [progress, ready]
+    start_compile = f"(...a) => ovAccelerate.startCompile(a, {len(outputs)}, {json.dumps(ids['precompile_progress'])})"
     precompile.click(
         handlers.precompile,
         inputs=[sizes, batch, *args],
         outputs=outputs,
-        _js=f"(...a) => ovAccelerate.startCompile(a, {len(outputs)}, {json.dumps(ids['precompile_progress'])})",
+        **_event_js(gr, start_compile),
     )
     return Panel(args=args, status=status, ready=ready, tab=config["tab"])
 
 
 def bind_refresh_after_generation(panel: Panel | None, component: Any, elem_id: str | None, extension: Any) -> bool:
     """If ``component`` is the tab's result element (:data:`RESULT_ELEM_ID`), refresh the panel's
-    "Last run" and "Ready sizes" whenever it changes. Call from ``Script.after_component``.
+    "Last run" and "Ready sizes" whenever a generation changes it or the log beside it (:data:`RESULT_GUARD_JS`).
+    Call from ``Script.after_component``.
 
     Returns:
         True when the refresh was bound.
     """
     if panel is None or elem_id != RESULT_ELEM_ID.format(tab=panel.tab):
         return False
+    watched = [RESULT_ELEM_ID.format(tab=panel.tab), RESULT_LOG_ELEM_ID.format(tab=panel.tab)]
+    guard = RESULT_GUARD_JS.format(key=json.dumps(panel.status.elem_id), ids=json.dumps(watched))
     component.change(
         PanelHandlers(extension).after_generation,
         inputs=[],
         outputs=[panel.status, panel.ready],
         show_progress="hidden",
+        **_event_js(host.gradio(), guard),
     )
     return True
 
@@ -264,6 +276,14 @@ class PanelHandlers:
                 yield line, self.extension.ready_sizes_text()
         except (ValueError, BackendUnavailable) as exc:
             yield f"Failed: {exc}", _safe(self.extension.ready_sizes_text)
+
+
+def _event_js(gr: Any, source: str) -> dict[str, str]:
+    """The keyword argument that gives an event listener its JavaScript: ``_js`` in gradio 3 (A1111), ``js`` from
+    gradio 4 (Forge). Forge renames ``_js`` only on a component's events once the component is built, not yet in
+    ``after_component``, where the refresh after a generation is bound."""
+    major = int(str(gr.__version__).split(".")[0])
+    return {"js" if major >= 4 else "_js": source}
 
 
 def _safe(fn: Any, fallback: str | None = None) -> str:

@@ -1,0 +1,205 @@
+"""The extension accelerating inside a real Forge, over HTTP, against Forge's own picture for the same request.
+
+Runs after ``test_real_forge.py`` on the same Forge, which shows the reference is sound: stock Forge's picture on
+these checkpoints is not flat and moves with the prompt (26.5 dB), the seed (10.6 dB), the LoRA (21.5 dB) and the
+checkpoint (9.4 dB), so a picture within :data:`MIN_F32_DB` of stock's cannot come from a wrong part. Measured here
+(AMD EPYC Zen 4, 2026-11-29): f32 86 dB against stock, a LoRA bit for bit, *Automatic* (bf16) 43 dB.
+
+Forge reuses a request's conditioning when its cache key is unchanged (``processing.cached_params``), and then
+never calls the text encoder; the key holds ``distilled_cfg_scale``, which SD 1.x and SDXL do not use, so
+:func:`fresh` gives each request its own and every request runs the text encoder (stock's in PyTorch, ours in
+OpenVINO).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+from tests.real_webui.webui import SCRIPT_NAME, Result, psnr
+
+from .forge import CHECKPOINT_A, CHECKPOINT_B, LORA, SDXL_CHECKPOINT, SECTION_NAME, Forge, assert_accelerated
+from .test_real_forge import request
+
+F32 = ["CPU", True, True, True, "f32", True, "", 1]
+"""The dropdown entry's arguments: device, UNet, VAE, text encoder, precision, disk cache, its folder, step caching."""
+AUTO = [*F32[:4], "auto", *F32[5:]]
+MIN_F32_DB = 40.0
+"""Accelerated at f32 against stock Forge (measured 84-86 dB; another prompt moves stock's picture to 26.5 dB)."""
+MIN_AUTO_DB = 30.0
+"""At *Automatic*: bf16 on a CPU with AVX-512 BF16 or AMX (measured 43 dB), f32 elsewhere."""
+UNET, VAE_DECODER = "unet.model.diffusion_model", "vae.first_stage_model.decoder"
+TEXT_ENCODER = "clip.cond_stage_model.clip_l.transformer.text_model.encoder"
+_unique = itertools.count(1)
+
+
+def fresh(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` with a conditioning-cache key of its own (see the module docstring)."""
+    return dict(payload, distilled_cfg_scale=3.5 + next(_unique) / 1000)
+
+
+def accelerated(payload: dict[str, Any], args: list[Any] = F32) -> dict[str, Any]:
+    return dict(payload, script_name=SCRIPT_NAME, script_args=list(args))
+
+
+def with_section(payload: dict[str, Any], precision: str = "f32") -> dict[str, Any]:
+    section = [{"enabled": True, "precision": precision}]
+    scripts = dict(payload.get("alwayson_scripts") or {}, **{SECTION_NAME: {"args": section}})
+    return dict(payload, alwayson_scripts=scripts)
+
+
+def stock_and_fast(forge: Forge, payload: dict[str, Any], args: list[Any] = F32) -> tuple[Result, Result, dict]:
+    """Stock Forge's picture for ``payload``, then the dropdown entry's with ``args``, and the status after it."""
+    stock = forge.generate(fresh(payload))
+    fast = forge.generate(fresh(accelerated(payload, args)))
+    return stock, fast, forge.status()
+
+
+def matches(forge: Forge, what: str, stock: Result, fast: Result, status: dict[str, Any], min_db: float) -> float:
+    assert len(stock.images) == len(fast.images) >= 1, (len(stock.images), len(fast.images))
+    worst = min(psnr(a, b) for a, b in zip(stock.images, fast.images))
+    forge.record(f"forge: {what}", worst, Result(fast.images, fast.info, fast.seconds, status))
+    assert worst >= min_db, (what, worst, status["status"])
+    return worst
+
+
+def compile_lines(status: dict[str, Any]) -> list[str]:
+    return [line.strip() for line in status["status"].splitlines() if line.strip().startswith("graph ")]
+
+
+def test_dropdown_entry_runs_every_part_in_openvino_and_matches_forge(forge: Forge) -> None:
+    payload = request("a lighthouse on a cliff, (dramatic sky:1.2)")
+    stock, fast, status = stock_and_fast(forge, payload)
+    assert_accelerated(status)
+    assert status["calls"][UNET] == 3 and status["calls"][VAE_DECODER] == 1, status["calls"]  # 3 steps, cond+uncond
+    assert status["calls"][TEXT_ENCODER] >= 1, status["calls"]
+    assert "in place of sub-quadratic" in status["status"], status["status"]  # Forge's CPU attention, swapped
+    assert not status["pytorch"], status["pytorch"]
+    matches(forge, "dropdown entry, f32", stock, fast, status, MIN_F32_DB)
+    infotext = fast.infotexts[0]
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, f32"' in infotext and "Script: Accelerate with OpenVINO" in infotext, infotext
+    # the accelerated text encoder reads the prompt: another prompt moves the accelerated picture as it moves stock's
+    other = forge.generate(fresh(accelerated(request("a red car in the rain"))))
+    assert psnr(other.images[0], fast.images[0]) < MIN_F32_DB
+
+
+def test_a_second_size_at_automatic_precision(forge: Forge) -> None:
+    payload = request("a stone bridge over a river", width=96, height=64)
+    stock, fast, status = stock_and_fast(forge, payload, AUTO)
+    assert_accelerated(status)
+    assert status["settings"] == "CPU, UNet+VAE+TE, auto", status["settings"]
+    assert fast.images[0].shape == (64, 96, 3)
+    matches(forge, "96x64, Automatic precision", stock, fast, status, MIN_AUTO_DB)
+
+
+def test_lora_on_and_off_matches_forges_own_loader_and_compiles_without_converting(forge: Forge) -> None:
+    """Forge's LoRA loader writes new weight tensors into the UNet and the text encoder (``refresh_loras``); the
+    accelerated picture is Forge's own, and the change is a compile of the model converted before, not a
+    conversion. Taking the LoRA off gives the base picture back."""
+    base = request("a lighthouse on a cliff, (dramatic sky:1.2)")
+    forge.generate(fresh(accelerated(base)))  # this test's weights and size compiled before the change
+    stock, fast, status = stock_and_fast(forge, request(f"a lighthouse on a cliff, (dramatic sky:1.2) <lora:{LORA}:1>"))
+    assert_accelerated(status)
+    matches(forge, "LoRA on", stock, fast, status, MIN_F32_DB)
+    assert "Lora hashes" in fast.infotexts[0], fast.infotexts[0]
+    lines = compile_lines(status)
+    assert lines and all("convert 0.00s" in line for line in lines), status["status"]
+    stock_off, fast_off, status_off = stock_and_fast(forge, base)
+    assert_accelerated(status_off)
+    matches(forge, "LoRA off again", stock_off, fast_off, status_off, MIN_F32_DB)
+    assert psnr(fast_off.images[0], fast.images[0]) < MIN_F32_DB  # the LoRA moved the accelerated picture
+
+
+def test_checkpoint_switch_and_back(forge: Forge) -> None:
+    """Forge loads another checkpoint into a new model object inside the request: the generation routes that one,
+    names it plainly, and the one it started with is let go; switching back compiles from the disk cache."""
+    payload = request("a windmill in a field")
+    forge.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_B})
+    try:
+        stock, fast, status = stock_and_fast(forge, payload)
+    finally:
+        forge.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A})
+    assert "Model: ovtest-forge-sd15-b" in fast.infotexts[0], fast.infotexts[0]
+    assert_accelerated(status)
+    matches(forge, "checkpoint B", stock, fast, status, MIN_F32_DB)
+    stock_a, fast_a, status_a = stock_and_fast(forge, payload)
+    assert "Model: ovtest-forge-sd15-a" in fast_a.infotexts[0]
+    assert_accelerated(status_a)
+    assert set(status_a["calls"]) == set(status["calls"]), status_a["calls"]  # the routes of one model, unprefixed
+    assert not status_a["switches"], status_a["switches"]
+    assert status_a["cache_hits"] > 0, status_a["status"]  # A's converted models, from the disk cache
+    matches(forge, "checkpoint A again", stock_a, fast_a, status_a, MIN_F32_DB)
+
+
+def test_section_with_xyz_plot_accelerates_every_cell(forge: Forge) -> None:
+    info = next(s for s in forge.get("/sdapi/v1/script-info") if s["name"] == "x/y/z plot" and not s["is_img2img"])
+    args = [arg["value"] for arg in info["args"]]
+    x_type = next(a for a in info["args"] if a["label"] == "X type")
+    args[0], args[1] = x_type["choices"].index("Steps"), "2,3"
+    payload = dict(request("a teapot on a table"), script_name="x/y/z plot", script_args=args)
+    stock = forge.generate(fresh(payload))
+    fast = forge.generate(fresh(with_section(payload)))
+    status = forge.status()
+    assert_accelerated(status)
+    assert status["generations"] == 2 and status["plain_generations"] == 0, status["status"]
+    assert status["calls"][UNET] == 2 + 3, status["calls"]
+    matches(forge, "section with X/Y/Z plot (Steps 2, 3)", stock, fast, status, MIN_F32_DB)
+    assert "OpenVINO section: on" in fast.infotexts[-1], fast.infotexts[-1]
+
+
+def test_freeu_runs_the_unet_in_pytorch_and_names_it(forge: Forge) -> None:
+    """Forge's FreeU patches the UNet's output blocks through the call's options: those calls run in PyTorch, the
+    status and the infotext name FreeU, and the picture is stock Forge's with FreeU."""
+    freeu = next(s for s in forge.get("/sdapi/v1/script-info") if s["name"].startswith("freeu") and not s["is_img2img"])
+    payload = dict(request("a cabin in the woods"),
+                   alwayson_scripts={freeu["name"]: {"args": [True, 1.3, 1.4, 0.9, 0.2, 0.0, 1.0]}})
+    stock, fast, status = stock_and_fast(forge, payload)
+    assert status["accelerated"], status["status"]
+    why = status["pytorch"][UNET]["why"]
+    assert "FreeU (output_block_patch)" in why, why
+    assert status["pytorch"][UNET]["calls"] == 3 and status["calls"][UNET] == 0, status
+    assert status["calls"][VAE_DECODER] == 1 and status["calls"][TEXT_ENCODER] >= 1, status["calls"]
+    assert "UNet in PyTorch" in fast.infotexts[0], fast.infotexts[0]
+    matches(forge, "FreeU on (UNet in PyTorch)", stock, fast, status, MIN_F32_DB)
+
+
+def test_interrupt_leaves_nothing_patched(forge: Forge) -> None:
+    """Interrupt mid-generation: the request returns, and the next stock picture is the stock picture of before."""
+    reference = request("a quiet street")
+    before = forge.generate(fresh(reference))
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = forge.generate(fresh(accelerated(request("a busy market", steps=40, n_iter=4))))
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.time() + 600
+    while forge.get("/sdapi/v1/progress?skip_current_image=true")["state"]["sampling_step"] < 2:
+        assert time.time() < deadline and thread.is_alive(), out
+        time.sleep(0.1)
+    forge.call("/sdapi/v1/interrupt", {})
+    thread.join(600)
+    assert "error" not in out, out.get("error")
+    assert 1 <= len(out["result"].images) < 4
+    after = forge.generate(fresh(reference))
+    assert psnr(before.images[0], after.images[0]) == float("inf")  # stock after == stock before
+
+
+def test_sdxl_runs_every_part_in_openvino_and_matches_forge(forge: Forge) -> None:
+    payload = request("a lighthouse on a cliff, (dramatic sky:1.2)")
+    forge.call("/sdapi/v1/options", {"sd_model_checkpoint": SDXL_CHECKPOINT})
+    try:
+        stock, fast, status = stock_and_fast(forge, payload)
+    finally:
+        forge.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A})
+    assert "Model: ovtest-forge-sdxl" in fast.infotexts[0], fast.infotexts[0]
+    assert_accelerated(status)
+    encoders = {label for label, n in status["calls"].items() if n and label.startswith("clip.")}
+    assert encoders == {TEXT_ENCODER, TEXT_ENCODER.replace("clip_l", "clip_g")}, status["calls"]
+    matches(forge, "SDXL, f32", stock, fast, status, MIN_F32_DB)
