@@ -1,7 +1,9 @@
 /*
  * Accelerate with OpenVINO: hover hints for the panel's controls (A1111's `titles`), a confirmation
- * before "Clear cache", and a visible "compiling ..." state while a pre-compile runs.
- * Element ids and hints come from the Python side, in the hidden `.ov-accelerate-config` block.
+ * before "Clear cache", a visible "compiling ..." state while a pre-compile runs, and the guard of the
+ * panel's refresh after a generation. Element ids and hints come from the Python side, in the hidden
+ * `.ov-accelerate-config` block and in the arguments of the bound calls. Runs in gradio 3.41 (A1111)
+ * and 4.40 (Forge).
  */
 /* global gradioApp, onUiLoaded, onUiUpdate */
 var ovAccelerate = (function() {
@@ -80,8 +82,37 @@ var ovAccelerate = (function() {
         });
     }
 
+    var resultSeen = {};
+
+    function resultText(ids) {
+        return ids.map(function(id) {
+            // the value's own element: gradio 4 keeps a progress timer beside it in the same block
+            var element = gradioApp().getElementById(id);
+            var value = element && (element.querySelector(".prose") || element);
+            return value ? value.textContent : "";
+        }).join("\n");
+    }
+
+    /*
+     * The refresh of a panel's "Last run" after a generation is bound to the change of the tab's result
+     * element. gradio 4 fires that change at every update of the page, not only when a generation changed
+     * the element; the refresh's own update would fire it again, without end. This guard, the bound call's
+     * JavaScript, lets the call through (resolves with its inputs: none) only when the text of the elements
+     * `ids` differs from what the panel `key` saw last; otherwise it never resolves, and gradio (3 and 4)
+     * then makes no call. The page opens with the elements empty.
+     */
+    function whenResultChanged(key, ids) {
+        var text = resultText(ids);
+        if ((resultSeen[key] || "") === text) {
+            return new Promise(function() {});
+        }
+        resultSeen[key] = text;
+        return Promise.resolve([]);
+    }
+
     onUiLoaded(applyHints);
     onUiUpdate(refreshCompiling);
 
-    return {applyHints: applyHints, confirmClear: confirmClear, startCompile: startCompile};
+    return {applyHints: applyHints, confirmClear: confirmClear, startCompile: startCompile,
+            whenResultChanged: whenResultChanged};
 })();
