@@ -136,8 +136,10 @@ def test_checkpoint_switch_and_back(forge: Forge) -> None:
 def test_section_with_xyz_plot_accelerates_every_cell(forge: Forge) -> None:
     info = next(s for s in forge.get("/sdapi/v1/script-info") if s["name"] == "x/y/z plot" and not s["is_img2img"])
     args = [arg["value"] for arg in info["args"]]
-    x_type = next(a for a in info["args"] if a["label"] == "X type")
-    args[0], args[1] = x_type["choices"].index("Steps"), "2,3"
+    for i, arg in enumerate(info["args"]):  # the axis types are dropdowns of type "index": their defaults are labels
+        if arg["label"] in ("X type", "Y type", "Z type"):
+            args[i] = arg["choices"].index("Steps" if arg["label"] == "X type" else "Nothing")
+    args[1] = "2,3"
     payload = dict(request("a teapot on a table"), script_name="x/y/z plot", script_args=args)
     stock = forge.generate(fresh(payload))
     fast = forge.generate(fresh(with_section(payload)))
