@@ -39,3 +39,17 @@ def forge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forge]:
         yield ui
     finally:
         ui.stop()
+
+
+@pytest.fixture(scope="module")
+def forge_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forge]:
+    """Forge with its UI (for the browser tests of one module), on the tier's SD 1.5 checkpoint with this project
+    cloned into its extensions/."""
+    root = usable_forge_testbed()
+    ui = Forge(root, tmp_path_factory.mktemp("forge-ui-data"), tmp_path_factory.mktemp("forge-ui-logs"), ui=True)
+    ui.prepare([])
+    ui.start()
+    try:
+        yield ui
+    finally:
+        ui.stop()

@@ -67,7 +67,10 @@ class Forge(WebUI):
     def __init__(self, testbed: Path, data_dir: Path, log_dir: Path, ui: bool = False) -> None:
         super().__init__(testbed, data_dir, log_dir)
         self.checkpoint = CHECKPOINT_A
-        self.extra_flags = [] if ui else ["--nowebui"]
+        # With its UI, Forge's gradio 4 serves page files only from its allowed paths, which default to the data
+        # folder: with a --data-dir of its own, Forge's page scripts (script.js, javascript/) would get 403 and the
+        # page would lack onUiLoaded, paste-back, ... A Forge run from its own folder allows that folder.
+        self.extra_flags = ["--gradio-allowed-path", str(self.webui)] if ui else ["--nowebui"]
 
     def prepare(self, extra_extensions: list[Path], tiny_models: bool = True) -> None:
         """The bed's models linked into the data folder, the extension cloned into extensions/ as a user does,
