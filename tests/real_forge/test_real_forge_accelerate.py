@@ -133,6 +133,17 @@ def test_checkpoint_switch_and_back(forge: Forge) -> None:
     matches(forge, "checkpoint A again", stock_a, fast_a, status_a, MIN_F32_DB)
 
 
+def test_step_caching_is_not_split_yet_and_says_so(forge: Forge) -> None:
+    """Step caching does not split Forge's UNet yet: every step runs full in OpenVINO, the status, the comment and
+    the infotext say so, and the picture is stock Forge's."""
+    payload = request("a harbour at dawn")
+    stock, fast, status = stock_and_fast(forge, payload, [*F32[:7], 2])
+    assert_accelerated(status)
+    assert "step caching does not split it yet" in status["status"], status["status"]
+    assert "no step caching" in fast.infotexts[0], fast.infotexts[0]
+    matches(forge, "step caching asked for (every step full)", stock, fast, status, MIN_F32_DB)
+
+
 def test_section_with_xyz_plot_accelerates_every_cell(forge: Forge) -> None:
     info = next(s for s in forge.get("/sdapi/v1/script-info") if s["name"] == "x/y/z plot" and not s["is_img2img"])
     args = [arg["value"] for arg in info["args"]]

@@ -264,3 +264,16 @@ def test_the_host_is_detected_from_what_the_webui_imported(monkeypatch: pytest.M
     detected = hosts.detect()
     assert isinstance(detected, forge.ForgeHost) and detected.name == "Forge"
     assert not detected.loads_into_weight_file and hosts.A1111Host().loads_into_weight_file
+
+
+def test_step_caching_refuses_an_ldm_shaped_unet_of_another_module_with_the_reason() -> None:
+    from ov_accelerate_sd.step_cache import StepCacheUnsupported, split_unet
+
+    unet = nn.Module()
+    for name in ("input_blocks", "output_blocks"):
+        setattr(unet, name, nn.ModuleList([nn.Identity(), nn.Identity()]))
+    unet.middle_block, unet.out, unet.time_embed, unet.model_channels = nn.Identity(), nn.Identity(), nn.Identity(), 4
+    # (an nn.Module's module is torch.nn.modules.module: no LDM th/timestep_embedding, as Forge's backend.nn.unet)
+    with pytest.raises(StepCacheUnsupported, match=r"Module is not LDM/SGM's UNetModel \(its module "
+                                                   r"torch.nn.modules.module has no th or timestep_embedding\)"):
+        split_unet(unet, 1)
