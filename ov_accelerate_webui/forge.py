@@ -85,19 +85,20 @@ PATCH_OWNERS: tuple[tuple[str, str], ...] = (
     ("tomesd", "Token merging"),
 )
 
-#: (part, Forge module, its attention function, Forge's fused one in ``backend.attention``), sorted: the attention
-#: each routed part runs while routed (``backend/attention.py`` picks them once, at import, and the modules keep
-#: what it picked).
-ATTENTION_SWAPS: tuple[tuple[str, str, str, str], ...] = (
-    ("unet", "backend.nn.unet", "attention_function", "attention_pytorch"),
-    ("vae", "backend.nn.vae", "attention_function_single_head_spatial", "pytorch_attention_single_head_spatial"),
+#: (part, Forge module, its attention function, Forge's fused one in ``backend.attention``: the first name found, Forge
+#: main's then Forge Neo's), sorted: the attention each routed part runs while routed (``backend/attention.py`` picks
+#: them once, at import, and the modules keep what it picked).
+ATTENTION_SWAPS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("unet", "backend.nn.unet", "attention_function", ("attention_pytorch",)),
+    ("vae", "backend.nn.vae", "attention_function_single_head_spatial",
+     ("pytorch_attention_single_head_spatial", "pytorch_attention_vae")),
 )
 
-#: Forge's attention functions by name, for the status.
+#: Forge's (and Forge Neo's) attention functions by name, for the status.
 ATTENTION_NAMES: dict[str, str] = {
     "attention_basic": "basic", "attention_split": "split", "attention_sub_quad": "sub-quadratic",
-    "attention_xformers": "xformers", "normal_attention_single_head_spatial": "split",
-    "xformers_attention_single_head_spatial": "xformers",
+    "attention_xformers": "xformers", "normal_attention_single_head_spatial": "split", "normal_attention_vae": "slice",
+    "xformers_attention_single_head_spatial": "xformers", "xformers_attention_vae": "xformers",
 }
 
 
@@ -271,9 +272,10 @@ class ForgeAttention:
     def __enter__(self) -> ForgeAttention:
         attention = host.imported_module("backend.attention")
         names = []
-        for part, module_name, attribute, fused_name in ATTENTION_SWAPS:
+        for part, module_name, attribute, fused_names in ATTENTION_SWAPS:
             module = host.imported_module(module_name)
-            current, fused = getattr(module, attribute, None), getattr(attention, fused_name, None)
+            current = getattr(module, attribute, None)
+            fused = next((getattr(attention, n) for n in fused_names if hasattr(attention, n)), None)
             if part not in self.parts or current is None or fused is None or current is fused:
                 continue
             self._saved.append((module, attribute, current, fused))

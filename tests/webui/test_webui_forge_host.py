@@ -277,3 +277,24 @@ def test_step_caching_refuses_an_ldm_shaped_unet_of_another_module_with_the_reas
     with pytest.raises(StepCacheUnsupported, match=r"Module is not LDM/SGM's UNetModel \(its module "
                                                    r"torch.nn.modules.module has no th or timestep_embedding\)"):
         split_unet(unet, 1)
+
+
+def test_forge_neos_attention_names_are_swapped_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forge Neo's ``backend/attention.py`` (Haoming02/sd-webui-forge-classic, neo) picks ``attention_basic`` on the
+    CPU, which asks ``force_upcast_attention_dtype()`` on every call (a graph break each time), and names the VAE's
+    functions ``normal_attention_vae`` and ``pytorch_attention_vae``."""
+    def attention_basic(*a: Any) -> None: ...
+    def attention_pytorch(*a: Any) -> None: ...
+    def normal_attention_vae(*a: Any) -> None: ...
+    def pytorch_attention_vae(*a: Any) -> None: ...
+
+    attention = types.SimpleNamespace(attention_pytorch=attention_pytorch, pytorch_attention_vae=pytorch_attention_vae)
+    unet = types.SimpleNamespace(attention_function=attention_basic)
+    vae = types.SimpleNamespace(attention_function_single_head_spatial=normal_attention_vae)
+    for name, module in (("backend.attention", attention), ("backend.nn.unet", unet), ("backend.nn.vae", vae)):
+        monkeypatch.setitem(sys.modules, name, module)
+    with forge.ForgeAttention(("unet", "vae")) as swapped:
+        assert unet.attention_function is attention_pytorch
+        assert vae.attention_function_single_head_spatial is pytorch_attention_vae
+        assert swapped.replaced == "basic, and slice in the VAE"
+    assert unet.attention_function is attention_basic and vae.attention_function_single_head_spatial is normal_attention_vae
