@@ -297,4 +297,5 @@ def test_forge_neos_attention_names_are_swapped_too(monkeypatch: pytest.MonkeyPa
         assert unet.attention_function is attention_pytorch
         assert vae.attention_function_single_head_spatial is pytorch_attention_vae
         assert swapped.replaced == "basic, and slice in the VAE"
-    assert unet.attention_function is attention_basic and vae.attention_function_single_head_spatial is normal_attention_vae
+    assert unet.attention_function is attention_basic
+    assert vae.attention_function_single_head_spatial is normal_attention_vae
