@@ -30,6 +30,8 @@ MIN_F32_DB = 40.0
 """Accelerated at f32 against stock Forge (measured 84-86 dB; another prompt moves stock's picture to 26.5 dB)."""
 MIN_AUTO_DB = 30.0
 """At *Automatic*: bf16 on a CPU with AVX-512 BF16 or AMX (measured 43 dB), f32 elsewhere."""
+MIN_INT8_DB = 22.0
+"""The INT8 UNet against stock's f32 (measured 33 dB on the tier's checkpoint; the A1111 tier's floor too)."""
 UNET, VAE_DECODER = "unet.model.diffusion_model", "vae.first_stage_model.decoder"
 TEXT_ENCODER = "clip.cond_stage_model.clip_l.transformer.text_model.encoder"
 _unique = itertools.count(1)
@@ -131,6 +133,28 @@ def test_checkpoint_switch_and_back(forge: Forge) -> None:
     assert not status_a["switches"], status_a["switches"]
     assert status_a["cache_hits"] > 0, status_a["status"]  # A's converted models, from the disk cache
     matches(forge, "checkpoint A again", stock_a, fast_a, status_a, MIN_F32_DB)
+
+
+def test_8_bit_weights_and_the_int8_unet(forge: Forge) -> None:
+    """*8-bit weights* compresses the UNet's and text encoder's weights and computes at *Automatic*; *INT8 UNet* runs
+    the UNet at float on the first generation while its steps are recorded, quantizes it at the end (NNCF, installed
+    by install.py into Forge's venv), and the next generation runs the INT8 model."""
+    payload = request("a red barn in a field", steps=4)
+    stock, fast, status = stock_and_fast(forge, payload, [*F32[:4], "int8-weights", *F32[5:]])
+    assert_accelerated(status)
+    matches(forge, "8-bit weights", stock, fast, status, MIN_AUTO_DB)
+    int8 = [*F32[:4], "int8", *F32[5:]]
+    first = forge.generate(fresh(accelerated(payload, int8)))
+    status = forge.status()
+    assert_accelerated(status)
+    assert "INT8 quantization; calibrated on 4 recorded call(s)" in status["status"], status["status"]
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, int8"' in first.infotexts[0], first.infotexts[0]
+    again = forge.generate(fresh(accelerated(payload, int8)))
+    status = forge.status()
+    assert_accelerated(status)
+    assert "INT8 model" in status["status"] and "INT8 quantization" not in status["status"], status["status"]
+    matches(forge, "INT8 UNet against stock f32", stock, again, status, MIN_INT8_DB)
+    assert again.images[0].std() > 5
 
 
 def test_step_caching_is_not_split_yet_and_says_so(forge: Forge) -> None:
