@@ -434,14 +434,19 @@ class TestBed:
                              "-c", self.constraints)
             installed = True
         if installed:
-            if not self.requirements_met():
-                have = self.versions("torch", "torchvision", "setuptools", "numpy", "transformers", "gradio")
-                raise BuildError(f"the WebUI's requirements are not met after installing them: {have}")
-            try:
-                self.py("-m", "pip", "check", capture=True)
-            except BuildError as e:
-                say(f"WARNING: pip check reports conflicts among the installed packages: {e}")
+            self.check_installed("the WebUI's requirements")
         self.worker("torchvision-works")
+
+    def check_installed(self, what: str) -> None:
+        """After an install: the requirements are met (else a BuildError naming ``what`` and the key versions), and
+        what ``pip check`` reports, as a warning."""
+        if not self.requirements_met():
+            have = self.versions("torch", "torchvision", "setuptools", "numpy", "transformers", "gradio")
+            raise BuildError(f"{what} are not met after installing them: {have}")
+        try:
+            self.py("-m", "pip", "check", capture=True)
+        except BuildError as e:
+            say(f"WARNING: pip check reports conflicts among the installed packages: {e}")
 
     # --- 7. offline Hugging Face cache ---------------------------------------------------------------
     def hf_cache(self) -> None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import host
 from .hosts import Attention
-from .model_parts import Target, UnsupportedModel, lookup, text_encoder_target
+from .model_parts import Target, UnsupportedModel, flagged_family, kind_of, lookup, text_encoder_target
 from .routing import Route, describe, routed
 
 logger = logging.getLogger(__name__)
@@ -113,13 +113,12 @@ def model_family(model: Any) -> str:
     if getattr(model, "forge_objects", None) is None:
         raise UnsupportedModel(f"This model ({type(model).__name__}) has no forge_objects: it is not a model Forge "
                                "loaded. This image was made in plain PyTorch.")
-    for family, flag in (("sdxl", "is_sdxl"), ("sd2", "is_sd2"), ("sd1", "is_sd1")):
-        if getattr(model, flag, False):
-            return family
-    kind = "SD3" if getattr(model, "is_sd3", False) else type(model).__name__
-    raise UnsupportedModel(
-        f"This checkpoint ({kind}) is not supported: in Forge, Accelerate with OpenVINO handles SD 1.x, SD 2.x "
-        "and SDXL; other families run in plain PyTorch. This image was made in plain PyTorch.")
+    family = flagged_family(model)
+    if family is None:
+        raise UnsupportedModel(
+            f"This checkpoint ({kind_of(model)}) is not supported: in Forge, Accelerate with OpenVINO handles SD 1.x, "
+            "SD 2.x and SDXL; other families run in plain PyTorch. This image was made in plain PyTorch.")
+    return family
 
 
 def find_text_encoders(objects: Any, family: str) -> list[Target]:

@@ -131,14 +131,27 @@ def model_family(model: Any) -> str:
             "This is Forge's model object, but the WebUI did not load Forge's modules_forge: Accelerate with "
             "OpenVINO cannot tell where its parts are. This image was made in plain PyTorch."
         )
-    for family, flag in (("sdxl", "is_sdxl"), ("sd2", "is_sd2"), ("sd1", "is_sd1")):
-        if getattr(model, flag, False):
-            return family
-    kind = "SD3" if getattr(model, "is_sd3", False) else type(model).__name__
-    raise UnsupportedModel(
-        f"This checkpoint ({kind}) is not supported: Accelerate with OpenVINO handles "
-        "SD 1.x, SD 2.x and SDXL. This image was made in plain PyTorch."
-    )
+    family = flagged_family(model)
+    if family is None:
+        raise UnsupportedModel(
+            f"This checkpoint ({kind_of(model)}) is not supported: Accelerate with OpenVINO handles "
+            "SD 1.x, SD 2.x and SDXL. This image was made in plain PyTorch."
+        )
+    return family
+
+
+#: (family, the model's flag of it), in the order they are asked: A1111 and Forge mark SDXL's refiner ``is_sdxl`` too.
+FAMILY_FLAGS: tuple[tuple[str, str], ...] = (("sdxl", "is_sdxl"), ("sd2", "is_sd2"), ("sd1", "is_sd1"))
+
+
+def flagged_family(model: Any) -> str | None:
+    """The family ``model`` flags itself as (A1111's and Forge's ``is_sd1``, ``is_sd2``, ``is_sdxl``), or None."""
+    return next((family for family, flag in FAMILY_FLAGS if getattr(model, flag, False)), None)
+
+
+def kind_of(model: Any) -> str:
+    """What a model of another family is, for a message: "SD3", or its class ("Flux", "Chroma", ...)."""
+    return "SD3" if getattr(model, "is_sd3", False) else type(model).__name__
 
 
 def lookup(root: Any, path: str) -> Any:

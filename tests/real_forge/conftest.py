@@ -28,28 +28,26 @@ def usable_forge_testbed() -> Path:
     return root
 
 
+def started_forge(tmp_path_factory: pytest.TempPathFactory, name: str, ui: bool) -> Iterator[Forge]:
+    """A Forge of its own data folder (``name``), started on the tier's SD 1.5 checkpoint with this project cloned
+    into its extensions/, stopped afterwards."""
+    root = usable_forge_testbed()
+    forge = Forge(root, tmp_path_factory.mktemp(f"{name}-data"), tmp_path_factory.mktemp(f"{name}-logs"), ui=ui)
+    forge.prepare([])
+    forge.start()
+    try:
+        yield forge
+    finally:
+        forge.stop()
+
+
 @pytest.fixture(scope="session")
 def forge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forge]:
-    """Forge, API only, started on the tier's SD 1.5 checkpoint with this project cloned into its extensions/."""
-    root = usable_forge_testbed()
-    ui = Forge(root, tmp_path_factory.mktemp("forge-data"), tmp_path_factory.mktemp("forge-logs"))
-    ui.prepare([])
-    ui.start()
-    try:
-        yield ui
-    finally:
-        ui.stop()
+    """Forge, API only."""
+    yield from started_forge(tmp_path_factory, "forge", ui=False)
 
 
 @pytest.fixture(scope="module")
 def forge_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forge]:
-    """Forge with its UI (for the browser tests of one module), on the tier's SD 1.5 checkpoint with this project
-    cloned into its extensions/."""
-    root = usable_forge_testbed()
-    ui = Forge(root, tmp_path_factory.mktemp("forge-ui-data"), tmp_path_factory.mktemp("forge-ui-logs"), ui=True)
-    ui.prepare([])
-    ui.start()
-    try:
-        yield ui
-    finally:
-        ui.stop()
+    """Forge with its UI (for the browser tests of one module)."""
+    yield from started_forge(tmp_path_factory, "forge-ui", ui=True)

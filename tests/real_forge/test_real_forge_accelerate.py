@@ -13,9 +13,11 @@ OpenVINO).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from tests.real_webui.webui import SCRIPT_NAME, Result, psnr
@@ -65,6 +67,16 @@ def matches(forge: Forge, what: str, stock: Result, fast: Result, status: dict[s
     forge.record(f"forge: {what}", worst, Result(fast.images, fast.info, fast.seconds, status))
     assert worst >= min_db, (what, worst, status["status"])
     return worst
+
+
+@contextlib.contextmanager
+def on_checkpoint(forge: Forge, name: str) -> Iterator[None]:
+    """``name`` selected (as the dropdown does) for the ``with`` block, the tier's CHECKPOINT_A again afterwards."""
+    forge.call("/sdapi/v1/options", {"sd_model_checkpoint": name})
+    try:
+        yield
+    finally:
+        forge.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A})
 
 
 def compile_lines(status: dict[str, Any]) -> list[str]:
@@ -118,11 +130,8 @@ def test_checkpoint_switch_and_back(forge: Forge) -> None:
     """Forge loads another checkpoint into a new model object inside the request: the generation routes that one,
     names it plainly, and the one it started with is let go; switching back compiles from the disk cache."""
     payload = request("a windmill in a field")
-    forge.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_B})
-    try:
+    with on_checkpoint(forge, CHECKPOINT_B):
         stock, fast, status = stock_and_fast(forge, payload)
-    finally:
-        forge.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A})
     assert "Model: ovtest-forge-sd15-b" in fast.infotexts[0], fast.infotexts[0]
     assert_accelerated(status)
     matches(forge, "checkpoint B", stock, fast, status, MIN_F32_DB)
@@ -230,11 +239,8 @@ def test_interrupt_leaves_nothing_patched(forge: Forge) -> None:
 
 def test_sdxl_runs_every_part_in_openvino_and_matches_forge(forge: Forge) -> None:
     payload = request("a lighthouse on a cliff, (dramatic sky:1.2)")
-    forge.call("/sdapi/v1/options", {"sd_model_checkpoint": SDXL_CHECKPOINT})
-    try:
+    with on_checkpoint(forge, SDXL_CHECKPOINT):
         stock, fast, status = stock_and_fast(forge, payload)
-    finally:
-        forge.call("/sdapi/v1/options", {"sd_model_checkpoint": CHECKPOINT_A})
     assert "Model: ovtest-forge-sdxl" in fast.infotexts[0], fast.infotexts[0]
     assert_accelerated(status)
     encoders = {label for label, n in status["calls"].items() if n and label.startswith("clip.")}
