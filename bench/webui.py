@@ -1,4 +1,4 @@
-"""``python -m bench webui``: stock A1111 against the extension, in the real WebUI of the test bed.
+"""``python -m bench webui``: stock A1111 (or Forge) against the extension, in the real WebUI of the test bed.
 
 One run starts the real AUTOMATIC1111 WebUI v1.10.1 of the test bed (``A1111_ROOT``) in an isolated data
 folder with the extension cloned into ``extensions/``, on the full-size SD 1.5 random-weight checkpoints
@@ -7,7 +7,8 @@ scenario of :data:`ROWS` first stock, then accelerated at each precision, in the
 restarts the WebUI and times the first accelerated generation with the warm disk cache. Each row notes
 the request's seconds, seconds per sampling step from A1111's own progress, what the extension's status
 route says about the run (compile and run seconds, compiles, cache hits), and the resident memory of the
-WebUI's process. The tables are written by :mod:`bench.webui_report`.
+WebUI's process. The tables are written by :mod:`bench.webui_report`. ``--webui forge`` runs the same scenario
+(the rows Forge can take) on the Forge test bed (``FORGE_ROOT``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import webui_report
-from bench.webui_host import BenchWebUI, write_kohya_lora
+from bench.webui_host import BenchForge, BenchWebUI, write_kohya_lora
 from bench.webui_rows import (
     FULL_CHECKPOINTS,
     FULL_LORA,
@@ -41,6 +42,7 @@ from bench.webui_rows import (
     SDXL_LORA,
     SECTION_TITLE,
     TINY_LORA,
+    WEBUIS,
     Row,
     WebUIBenchSettings,
     build_settings,
@@ -48,6 +50,7 @@ from bench.webui_rows import (
 )
 from ov_backend.memory import system_memory
 from ov_backend.settings import PREVIOUS_WEIGHTS
+from tests.real_forge import forge
 from tests.real_webui.webui import CHECKPOINT_A, CHECKPOINT_B, EXTENSION_NAME, SCRIPT_NAME, psnr
 
 logger = logging.getLogger(__name__)
@@ -216,6 +219,14 @@ def prepare(config: WebUIBenchSettings, work: Path) -> tuple[BenchWebUI, tuple[s
     """The isolated WebUI: models, LoRA, the extension cloned from this checkout."""
     testbed = Path(config.testbed)
     (work / "logs").mkdir(parents=True, exist_ok=True)
+    if config.webui == "forge":  # the Forge bed links every model it has, the A1111 bed's full-size SD 1.5 too
+        checkpoint = forge.CHECKPOINT_A if config.tiny else forge.FULL_CHECKPOINT
+        ui = BenchForge(testbed, work / "data", work / "logs", checkpoint)
+        ui.prepare([])
+        if not (ui.data_dir / "models" / "Stable-diffusion" / checkpoint).is_file():
+            raise FileNotFoundError(f"{checkpoint} is not in the Forge bed's models: build the A1111 bed's full-size "
+                                    "model, then the Forge bed (bash .ci/testbed)")
+        return ui, (checkpoint, checkpoint), forge.LORA
     if config.tiny:
         ui = BenchWebUI(testbed, work / "data", work / "logs", CHECKPOINT_A)
         ui.prepare([])  # builds the tiny checkpoints and their LoRA
@@ -269,6 +280,10 @@ def available_gib() -> float:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench webui", description=__doc__.split("\n\n")[0])
+    p.add_argument("--webui", choices=WEBUIS,
+                   help="the WebUI measured (default a1111; forge: the Forge test bed, $FORGE_ROOT or "
+                        "build/forge-testbed, on the A1111 bed's full-size SD 1.5 linked there, without the rows of a "
+                        "second checkpoint, a LoRA, Token merging, Prompts from file or step caching)")
     p.add_argument("--tiny", action="store_true", help="the real-host tier's tiny models (CI smoke test, minutes)")
     p.add_argument("--model", choices=MODELS,
                    help="the full-size model (default sd15; sdxl: a random SDXL base the bench makes once, "
@@ -281,9 +296,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", nargs="+", metavar="KEY",
                    help="only these requests, stock and accelerated (" + " ".join(r.key for r in (*ROWS, RESTART))
                    + "; default: all)")
-    p.add_argument("--testbed", type=Path, help="the test bed (default $A1111_ROOT or build/a1111-testbed)")
+    p.add_argument("--testbed", type=Path, help="the test bed (default $A1111_ROOT or build/a1111-testbed; "
+                                                  "forge: $FORGE_ROOT or build/forge-testbed)")
     p.add_argument("--out", type=Path, help="folder of the results (default bench/results)")
-    p.add_argument("--name", help="file name stem (default webui-<date>, or webui-tiny-<date>)")
+    p.add_argument("--name", help="file name stem (default webui-<date>, webui-tiny-<date>; forge: webui-forge-...)")
     p.add_argument("--work-dir", type=Path, help="keep the WebUI's data folder and logs here (default: temporary)")
     p.add_argument("--min-available-gib", type=float,
                    help="refuse to start with less available memory (default 18; tiny 0)")
@@ -308,7 +324,7 @@ def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    options = {"tiny": args.tiny, "model": args.model,
+    options = {"webui": args.webui, "tiny": args.tiny, "model": args.model,
                "precisions": tuple(args.precisions) if args.precisions else None,
                "steps": args.steps, "sizes": tuple(args.sizes) if args.sizes else None, "batch": args.batch,
                "rows": tuple(args.rows) if args.rows else None,
@@ -323,7 +339,8 @@ def main(argv: Sequence[str]) -> int:
     if available_gib() < config.min_available_gib:
         _parser().error(f"{available_gib():.1f} GiB available, {config.min_available_gib:g} needed "
                         "(--min-available-gib lowers it)")
-    stem = config.name or ("webui-tiny-" if config.tiny else "webui-") + time.strftime("%Y-%m-%d")
+    host = "forge-" if config.webui == "forge" else ""
+    stem = config.name or f"webui-{host}{'tiny-' if config.tiny else ''}" + time.strftime("%Y-%m-%d")
     header = webui_report.header(config, "python -m bench webui " + shlex.join(argv), args.note)
     work = Path(config.work_dir).absolute() if config.work_dir else Path(tempfile.mkdtemp(prefix="bench-webui-"))
 

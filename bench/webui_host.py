@@ -4,8 +4,9 @@
 stop, HTTP) and adds: a chosen startup checkpoint (the full-size SD 1.5 files of the test bed, linked
 into the isolated data folder), a timed generation that follows A1111's own progress
 (``/sdapi/v1/progress``) to get seconds per sampling step, the resident memory of the WebUI's Python
-process from ``/proc``, and the size of the extension's disk cache. :func:`write_kohya_lora` writes a
-random rank-4 LoRA for the layer names of any SD 1.x or SDXL checkpoint file.
+process from ``/proc``, and the size of the extension's disk cache. :class:`BenchForge` is the same on the Forge
+tier's driver (``tests.real_forge.forge.Forge``). :func:`write_kohya_lora` writes a random rank-4 LoRA for the
+layer names of any SD 1.x or SDXL checkpoint file.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ov_backend.memory import system_memory
+from tests.real_forge.forge import Forge
 from tests.real_webui.webui import WebUI
 
 logger = logging.getLogger(__name__)
@@ -187,6 +189,20 @@ class BenchWebUI(WebUI):
                 total += path.stat().st_blocks * 512
                 files += 1
         return total, files
+
+
+class BenchForge(BenchWebUI, Forge):
+    """Forge (API only) with the same readings. Forge loads its checkpoint at the first generation, where A1111 loads
+    it at its start: :meth:`start` ends with an untimed tiny generation, so that, as on A1111, no measured request
+    pays the checkpoint load."""
+
+    def start(self, timeout: float = 900) -> None:
+        super().start(timeout)
+        t0 = time.time()
+        self.generate({"prompt": "an untimed request that loads the checkpoint", "seed": 1, "steps": 1, "width": 64,
+                       "height": 64, "sampler_name": "Euler", "batch_size": 1, "n_iter": 1, "save_images": False,
+                       "send_images": False})
+        logger.info("Forge loaded %s at its first generation in %.1f s", self.checkpoint, time.time() - t0)
 
 
 class Sampler:

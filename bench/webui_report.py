@@ -2,8 +2,8 @@
 
 Times are wall-clock seconds of one request each (one run, stock and accelerated in the same WebUI
 process, so ratios are within one run); "x stock" is accelerated / stock (below 1 is faster), "speed-up"
-is stock s/it / accelerated s/it. Seconds per step come from A1111's progress and leave out the first two
-steps, where a new shape compiles.
+is stock s/it / accelerated s/it. Seconds per step come from the WebUI's progress (A1111's, which Forge keeps) and
+leave out the first two steps, where a new shape compiles.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from ov_backend.memory import system_memory
 
 logger = logging.getLogger(__name__)
 
+#: What the report calls each WebUI the bench drives (``WebUIBenchSettings.webui``): its name, its version, and how
+#: it computes its stock pictures (the reference of the PSNR table)
+WEBUIS = {"a1111": ("A1111", "v1.10.1", "PyTorch f32: `--no-half --precision full`"),
+          "forge": ("Forge", "(main at dfdcbab6)", "PyTorch on the CPU, `--always-cpu`: UNet and VAE in f32, the text "
+                    "encoder's weights in fp16 as Forge loads them")}
 #: Rows of the seconds-per-step table: (row key, label).
 S_PER_IT_ROWS = (("again", "first size, batch 1"), ("batch", "first size, batch {batch}"),
                  ("size2", "second size, batch 1"), ("size3", "third size, batch 1"))
@@ -68,22 +73,24 @@ def header(config: Any, command: str, note: str | None) -> dict[str, Any]:
     """What the results file says about the run before any number."""
     return {
         **run_header(command, note),
-        "settings": {"tiny": config.tiny, "model": config.model, "precisions": list(config.precisions),
-                     "steps": config.steps,
+        "settings": {"webui": config.webui, "tiny": config.tiny, "model": config.model,
+                     "precisions": list(config.precisions), "steps": config.steps,
                      "sizes": ["x".join(map(str, s)) for s in config.sizes], "batch": config.batch,
                      "rows": list(config.rows), "sampler": "Euler", "cfg_scale": 7,
-                     "testbed": testbed_label(Path(config.testbed)), "previous_weights": config.previous_weights,
+                     "testbed": testbed_label(Path(config.testbed), "FORGE_ROOT" if config.webui == "forge"
+                                              else "A1111_ROOT"), "previous_weights": config.previous_weights,
                      "weights_in_file": config.weights_in_file, "enable_always": config.enable_always},
     }
 
 
-def testbed_label(testbed: Path) -> str:
+def testbed_label(testbed: Path, variable: str = "A1111_ROOT") -> str:
     """The test bed as the results name it: relative to the checkout when inside it (``build/a1111-testbed``),
-    else ``$A1111_ROOT`` (a results file names no folder of the machine it ran on)."""
+    else the environment variable that names it, ``$A1111_ROOT`` (``$FORGE_ROOT``: ``variable``; a results file
+    names no folder of the machine it ran on)."""
     try:
         return str(testbed.resolve().relative_to(Path(__file__).resolve().parents[1]))
     except ValueError:
-        return "$A1111_ROOT"
+        return f"${variable}"
 
 
 def model_title(settings: dict[str, Any]) -> str:
@@ -134,7 +141,8 @@ def markdown(results: dict[str, Any]) -> str:
     rows, phases, s = results.get("rows", []), results.get("phases", []), results["settings"]
     modes = s["precisions"]
     title = model_title(s)
-    lines = [f"# Real WebUI benchmark: stock A1111 v1.10.1 vs Accelerate with OpenVINO ({title})", "",
+    webui, version, arithmetic = WEBUIS[s.get("webui", "a1111")]
+    lines = [f"# Real WebUI benchmark: stock {webui} {version} vs Accelerate with OpenVINO ({title})", "",
              *_machine_lines(results), "", "## Time per request (seconds)", "",
              "Each request once, in this order, stock first, then accelerated at each precision, in one WebUI "
              "process; the restart row is the first generation of a new process with the disk cache of the first "
@@ -177,10 +185,11 @@ def markdown(results: dict[str, Any]) -> str:
             speed = _ratio(stock.get("s_per_it"), record.get("s_per_it"))
             cells.append(f"{step(record)} | {_num(speed, '{:.2f}x')}")
         lines.append(f"| {label.format(batch=s['batch'])} | {step(stock)} | " + " | ".join(cells) + " |")
-    lines += ["", "From A1111's progress, steps 3 on; (r): steps too fast to follow, the request's seconds / steps "
-              "(text encoder, VAE and any compile included)."]
+    lines += ["", "From the WebUI's progress (A1111's route, which Forge keeps), steps 3 on; (r): steps too fast to "
+              "follow, the request's seconds / steps (text encoder, VAE and any compile included)."]
     lines += ["", "## Images against stock (PSNR dB)", "",
-              "Each accelerated image against stock A1111's (PyTorch f32) for the same request, prompt and seed. "
+              f"Each accelerated image against stock {webui}'s ({arithmetic}) for the same request, prompt and "
+              "seed. "
               "Random weights make noise, not pictures: the numbers say how far the arithmetic moved the pixels.", "",
               "| request | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
     for key in dict.fromkeys(r["key"] for r in rows if r["mode"] != "stock"):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ov_backend.settings import PREVIOUS_WEIGHTS
+from tests.real_forge.forge import forge_testbed_ready, forge_testbed_root
 from tests.real_webui.webui import testbed_ready, testbed_root
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,13 @@ NOT_SDXL = ("switch", "switch_back", "lora", "lora_change")
 FULL_LORA = "bench-lora-sd15"
 TINY_LORA = "ovtest-lora"  # written by tests/real_webui/make_models.py
 PRECISION_KEYS = ("auto", "f32", "int8", "int8-weights")
+#: The WebUIs the bench drives: A1111 v1.10.1 (``A1111_ROOT``) and Forge main at dfdcbab6 (``FORGE_ROOT``)
+WEBUIS = ("a1111", "forge")
+#: rows Forge does not run: the second checkpoint and the LoRA (the bench makes them in A1111's bed only), A1111's
+#: Token merging, the Prompts-from-file job (its always-on section's arguments are A1111's) and step caching (which
+#: refuses Forge's UNet: every step would run full)
+NOT_FORGE = ("switch", "switch_back", "lora", "lora_change", "fallback", "prompts_file", "cache2_first", "cache2",
+             "cache3", "cache4")
 
 
 class Row(NamedTuple):
@@ -98,8 +106,12 @@ RESTART = Row("restart", "first generation after a restart (warm cache)", 0, Fal
 class WebUIBenchSettings:
     """What one run measures (defaults block = the field defaults)."""
 
+    webui: str = "a1111"
+    """The WebUI measured: "a1111" (the A1111 test bed) or "forge" (the Forge test bed, ``FORGE_ROOT``: its full-size
+    SD 1.5 is the A1111 bed's, linked; the rows of :data:`NOT_FORGE` are left out)."""
     tiny: bool = False
-    """The real-host tier's tiny models (minutes) instead of the full-size SD 1.5 checkpoints."""
+    """The real-host tier's tiny models (minutes) instead of the full-size SD 1.5 checkpoints (Forge: its tier's
+    SD 1.5 checkpoint, full-size CLIP and VAE with a small UNet)."""
     model: str = "sd15"
     """The full-size model: "sd15" (the test bed's two SD 1.5 checkpoints) or "sdxl" (one SDXL base checkpoint:
     no checkpoint switch, no LoRA rows)."""
@@ -117,7 +129,7 @@ class WebUIBenchSettings:
     scenario's order, stock and each precision; empty: all of them (with model sdxl: all it can take).
     :func:`build_settings` adds the rows a chosen one is compared with (its ``reference``)."""
     testbed: Path = Path()
-    """The test bed's root (``A1111_ROOT``)."""
+    """The test bed's root (``A1111_ROOT``; Forge: ``FORGE_ROOT``)."""
     out: Path = Path("bench/results")
     """Folder of the JSON and markdown results."""
     name: str = ""
@@ -159,9 +171,12 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
         values.setdefault("min_available_gib", 0.0)
     if values.get("model") == "sdxl":
         values.setdefault("sizes", SDXL_SIZES)
+    forge = values.get("webui") == "forge"
     # absolute: the WebUI runs in its own folder, where a path relative to here names nothing
-    values["testbed"] = Path(values.get("testbed") or testbed_root()).absolute()
+    values["testbed"] = Path(values.get("testbed") or (forge_testbed_root() if forge else testbed_root())).absolute()
     config = WebUIBenchSettings(**values)
+    if config.webui not in WEBUIS:
+        raise ValueError(f"webui must be {' or '.join(WEBUIS)}, got {config.webui!r}")
     bad = [p for p in config.precisions if p not in PRECISION_KEYS]
     if bad or not config.precisions:
         raise ValueError(f"precisions must be among {', '.join(PRECISION_KEYS)}, got {bad or 'none'}")
@@ -181,6 +196,13 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
             raise ValueError(f"rows: with model sdxl only {', '.join(alone)} (one checkpoint and no LoRA), "
                              f"got {', '.join(config.rows)}")
         config = dataclasses.replace(config, rows=config.rows or tuple(alone))
+    if forge:
+        if config.model != "sd15" or config.enable_always or config.session:
+            raise ValueError("webui forge runs model sd15 only, without enable_always or the session")
+        alone = [row.key for row in (*ROWS, RESTART) if row.key not in NOT_FORGE]
+        if any(key not in alone for key in config.rows):
+            raise ValueError(f"rows: with webui forge only {', '.join(alone)}, got {', '.join(config.rows)}")
+        config = dataclasses.replace(config, rows=config.rows or tuple(alone))
     if config.rows:  # with the rows they are measured against, in the scenario's order
         wanted = set(config.rows) | {row.reference for row in (*ROWS, RESTART) if row.key in config.rows}
         config = dataclasses.replace(config, rows=tuple(key for key in keys if key in wanted))
@@ -193,8 +215,9 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
                          "stock's requests would be accelerated too")
     if config.batch < 2:
         raise ValueError(f"batch must be at least 2, got {config.batch}")
-    if not testbed_ready(Path(config.testbed)):
-        raise ValueError(f"no WebUI test bed in {config.testbed}: build it (bash .ci/testbed) or set A1111_ROOT")
+    if not (forge_testbed_ready if forge else testbed_ready)(Path(config.testbed)):
+        raise ValueError(f"no {'Forge' if forge else 'WebUI'} test bed in {config.testbed}: build it "
+                         f"(bash .ci/testbed) or set {'FORGE_ROOT' if forge else 'A1111_ROOT'}")
     return config
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.report import isa_cap_note, machine
@@ -121,3 +123,63 @@ def test_the_step_caching_table_compares_with_the_same_precisions_uncached_reque
     assert [c.strip() for c in cached.strip("|").split("|")] == [
         "auto", "cache3", "3", "200.0", "1.50x", "10.00", "1.50x", "8", "12", "0.0", "47.6", "47.5"]
     assert step_cache_lines(rows[:1], ["auto"]) == []  # no step caching row: no table
+
+
+def fake_forge_bed(bed):
+    """The files that make a folder count as a Forge test bed (``forge_testbed_ready``), empty."""
+    from tests.real_forge.forge import MODELS
+
+    for name in ("webui/launch.py", "venv/bin/python", *(f"webui/models/{model}" for model in MODELS)):
+        (bed / name).parent.mkdir(parents=True, exist_ok=True)
+        (bed / name).write_text("")
+    return bed
+
+
+def test_the_forge_webui_runs_on_its_own_bed_the_rows_it_can_take(tmp_path, monkeypatch):
+    # --webui forge: Forge's bed ($FORGE_ROOT), the same scenario without a second checkpoint, a LoRA, A1111's Token
+    # merging, the Prompts-from-file job or step caching; the restart kept
+    from bench.webui_rows import NOT_FORGE, build_settings
+
+    monkeypatch.setenv("A1111_ROOT", str(fake_test_bed(tmp_path / "a1111")))
+    monkeypatch.setenv("FORGE_ROOT", str(fake_forge_bed(tmp_path / "forge")))
+    config = build_settings({"webui": "forge"})
+    assert config.testbed == tmp_path / "forge" and config.sizes[0] == (512, 512) and config.steps == 4
+    assert config.rows[:2] == ("first", "again") and "restart" in config.rows and not set(config.rows) & set(NOT_FORGE)
+    assert build_settings({"webui": "forge", "rows": ("again",)}).rows == ("again",)
+    assert build_settings({}).testbed == tmp_path / "a1111" and build_settings({}).webui == "a1111"
+    with pytest.raises(ValueError, match="with webui forge only first, again, .*got first, lora"):
+        build_settings({"webui": "forge", "rows": ("first", "lora")})
+    with pytest.raises(ValueError, match="webui forge runs model sd15 only"):
+        build_settings({"webui": "forge", "model": "sdxl"})
+    with pytest.raises(ValueError, match="webui must be a1111 or forge, got 'comfy'"):
+        build_settings({"webui": "comfy"})
+    monkeypatch.setenv("FORGE_ROOT", str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="no Forge test bed in .*nothing: .* set FORGE_ROOT"):
+        build_settings({"webui": "forge"})
+
+
+def test_a_forge_report_names_forge_and_its_stock_arithmetic():
+    from bench.webui_report import markdown, testbed_label
+
+    assert testbed_label(Path("/elsewhere/forge"), "FORGE_ROOT") == "$FORGE_ROOT"
+
+    def row(mode, key, seconds, s_per_it, **extra):
+        return {"mode": mode, "key": key, "label": key, "size": "512x512", "batch": 1, "seconds": seconds,
+                "s_per_it": s_per_it, **extra}
+
+    settings = {"webui": "forge", "tiny": False, "model": "sd15", "precisions": ["auto"], "steps": 4,
+                "sizes": ["512x512", "512x384", "384x512"], "batch": 4, "rows": ["first", "again"], "sampler": "Euler",
+                "cfg_scale": 7, "testbed": "build/forge-testbed"}
+    results = {"command": "python -m bench webui --webui forge", "started": "now", "note": None,
+               "machine": {"Model name": "AMD EPYC (family 25, model 17)", "cpus": 2}, "cpu": {"AVX2": True},
+               "available_gib_at_start": 20.0, "load_average_at_start": 0.1, "extension_source": "git clone",
+               "settings": settings, "phases": [],
+               "rows": [row("stock", "first", 40.0, 8.0), row("stock", "again", 36.0, 8.0),
+                        row("auto", "first", 120.0, 3.0, psnr_vs_stock=44.0),
+                        row("auto", "again", 14.0, 2.0, psnr_vs_stock=44.5)]}
+    table = markdown(results)
+    assert table.startswith("# Real WebUI benchmark: stock Forge (main at dfdcbab6) vs Accelerate with OpenVINO "
+                            "(full-size SD 1.5)")
+    assert "against stock Forge's (PyTorch on the CPU, `--always-cpu`" in table
+    assert "| first size, batch 1 | 8.00 | 2.00 | 4.00x |" in table
+    assert "stock A1111 v1.10.1" in markdown({**results, "settings": {**settings, "webui": "a1111"}})

@@ -3,7 +3,8 @@
 A smoke test of the harness: every row of the scenario is measured stock and accelerated (a number in
 every cell that has one), the accelerated runs really ran in OpenVINO, a second accelerated generation
 at the same size compiles nothing, and going back to an earlier size converts nothing. It asserts no
-time. Needs the WebUI test bed (``A1111_ROOT``); skipped without it.
+time. Needs the WebUI test bed (``A1111_ROOT``; ``--webui forge``: the Forge bed, ``FORGE_ROOT``); skipped without
+it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from bench.__main__ import main
 from bench.webui import RESTART, ROWS
+from tests.real_forge.forge import forge_testbed_ready, forge_testbed_root
 from tests.real_webui import webui as harness  # (its testbed_* names would be collected as tests)
 
 pytestmark = [
@@ -136,3 +138,23 @@ def test_tiny_run_with_enable_always_moves_the_weights_as_the_webui_loads(tmp_pa
     assert "At the checkpoint load (ovtest-tiny-a" in first["status"], first["status"]
     assert "into a memory-mapped file in" not in first["status"], first["status"]  # (what a build's move says)
     assert "Enable for every generation: on" in (out / "load.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.skipif(not forge_testbed_ready(forge_testbed_root()),
+                    reason=f"no Forge test bed in {forge_testbed_root()}")
+def test_tiny_forge_run_measures_stock_forge_and_the_extension_in_one_process(tmp_path):
+    """``--webui forge``: the same rows on Forge (its tier's SD 1.5 checkpoint), stock then accelerated in one Forge
+    process, the accelerated requests in OpenVINO and their pictures compared with stock Forge's."""
+    out = tmp_path / "results"
+    assert main(["webui", "--webui", "forge", "--tiny", "--rows", "first", "again", "--out", str(out), "--name",
+                 "forge", "--work-dir", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "forge.json").read_text(encoding="utf-8"))
+    rows = {(r["mode"], r["key"]): r for r in results["rows"]}
+    assert list(rows) == [("stock", "first"), ("stock", "again"), ("auto", "first"), ("auto", "again")]
+    assert {r["process"] for r in results["rows"]} == {1}
+    for key in ("first", "again"):
+        record = rows[("auto", key)]
+        assert record["accelerated"] and record["ov_calls"] > 0 and record["eager_calls"] == 0, record["status"]
+        assert record["psnr_vs_stock"] > 25 and record["peak"] > 0 and rows[("stock", key)]["s_per_it"] > 0, record
+    assert rows[("auto", "first")]["compiles"] > 0 and rows[("auto", "again")]["compiles"] == 0
+    assert (out / "forge.md").read_text(encoding="utf-8").startswith("# Real WebUI benchmark: stock Forge")
