@@ -94,6 +94,8 @@ def testbed_label(testbed: Path, variable: str = "A1111_ROOT") -> str:
 
 
 def model_title(settings: dict[str, Any]) -> str:
+    if settings["tiny"] and settings.get("webui") == "forge":
+        return "the Forge tier's SD 1.5 checkpoint: full-size CLIP and VAE, a small UNet"
     if settings["tiny"]:
         return "tiny test models"
     return "full-size SDXL base" if settings.get("model") == "sdxl" else "full-size SD 1.5"
