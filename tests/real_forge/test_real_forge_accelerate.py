@@ -195,32 +195,6 @@ def test_section_with_xyz_plot_accelerates_every_cell(forge: Forge) -> None:
     assert "OpenVINO section: on" in fast.infotexts[-1], fast.infotexts[-1]
 
 
-def test_xyz_plot_over_the_openvino_enabled_axis(forge: Forge) -> None:
-    """The extension's X/Y/Z axes are in Forge's X/Y/Z plot; with the section off, the "[OpenVINO] Enabled" axis
-    alone accelerates the On cell, and the Off cell is stock Forge's."""
-    info = next(s for s in forge.get("/sdapi/v1/script-info") if s["name"] == "x/y/z plot" and not s["is_img2img"])
-    args = [arg["value"] for arg in info["args"]]
-    for i, arg in enumerate(info["args"]):
-        if arg["label"] in ("X type", "Y type", "Z type"):
-            args[i] = arg["choices"].index("[OpenVINO] Enabled" if arg["label"] == "X type" else "Nothing")
-    x_type = next(a for a in info["args"] if a["label"] == "X type")
-    for axis in ("[OpenVINO] Precision", "[OpenVINO] Device", "[OpenVINO] Step caching"):
-        assert axis in x_type["choices"], x_type["choices"]
-    args[1], args[2] = "", ["On", "Off"]  # X values, and X's dropdown values
-    stock = forge.generate(fresh(request("a teapot on a table")))
-    grid = forge.generate(fresh(dict(request("a teapot on a table"), script_name="x/y/z plot", script_args=args)))
-    status = forge.status()
-    assert_accelerated(status, ("UNet", "VAE"))
-    assert status["generations"] == 1 and status["plain_generations"] == 1, status["status"]
-    on, off = grid.images[1], grid.images[2]
-    assert 'OpenVINO: "CPU, UNet+VAE+TE, auto"' in grid.infotexts[1], grid.infotexts[1]
-    assert "OpenVINO" not in grid.infotexts[2], grid.infotexts[2]
-    for cell, what in ((on, "On"), (off, "Off")):
-        value = psnr(cell, stock.images[0])
-        forge.record(f"forge: X/Y/Z [OpenVINO] Enabled, the {what} cell against stock", value)
-        assert value >= MIN_AUTO_DB, (what, value)
-
-
 def test_freeu_runs_the_unet_in_pytorch_and_names_it(forge: Forge) -> None:
     """Forge's FreeU patches the UNet's output blocks through the call's options: those calls run in PyTorch, the
     status and the infotext name FreeU, and the picture is stock Forge's with FreeU."""

@@ -24,9 +24,11 @@ from typing import Any
 
 import pytest
 
-from tests.real_webui.webui import EXTENSION_NAME
+from tests.real_webui.webui import EXTENSION_NAME, psnr
 
 from .forge import Forge, assert_accelerated
+from .test_real_forge import request
+from .test_real_forge_accelerate import MIN_AUTO_DB, fresh
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -322,3 +324,33 @@ def test_no_errors_from_the_extension(page: Any, forge_ui: Forge) -> None:
     assert not ours, ours
     reports = [r for r in error_reports(forge_ui.log_text()) if any(mark in r for mark in EXTENSION_MARKS)]
     assert not reports, "\n\n".join(reports)
+
+
+def test_xyz_plot_over_the_openvino_enabled_axis(forge_ui: Forge) -> None:
+    """The extension's X/Y/Z axes are in Forge's X/Y/Z plot; with the section off, the "[OpenVINO] Enabled" axis
+    alone accelerates the On cell, and the Off cell is stock Forge's. (Over HTTP, on this module's Forge: the axes
+    are added before the page is built, by the ``before_ui`` callback, and an API-only Forge, as A1111, builds its
+    scripts' arguments before it calls that.)"""
+    info = next(s for s in forge_ui.get("/sdapi/v1/script-info") if s["name"] == "x/y/z plot" and not s["is_img2img"])
+    args = [arg["value"] for arg in info["args"]]
+    for i, arg in enumerate(info["args"]):
+        if arg["label"] in ("X type", "Y type", "Z type"):
+            args[i] = arg["choices"].index("[OpenVINO] Enabled" if arg["label"] == "X type" else "Nothing")
+        elif arg["label"] == "Include Sub Images":  # each cell's picture after the grid
+            args[i] = True
+    x_type = next(a for a in info["args"] if a["label"] == "X type")
+    for axis in ("[OpenVINO] Precision", "[OpenVINO] Device", "[OpenVINO] Step caching"):
+        assert axis in x_type["choices"], x_type["choices"]
+    args[1], args[2] = "", ["On", "Off"]  # X values, and X's dropdown values
+    stock = forge_ui.generate(fresh(request("a teapot on a table")))
+    grid = forge_ui.generate(fresh(dict(request("a teapot on a table"), script_name="x/y/z plot", script_args=args)))
+    status = forge_ui.status()
+    assert_accelerated(status, ("UNet", "VAE"))
+    assert status["generations"] == 1 and status["plain_generations"] == 1, status["status"]
+    on, off = grid.images[1], grid.images[2]
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, auto"' in grid.infotexts[1], grid.infotexts[1]
+    assert "OpenVINO" not in grid.infotexts[2], grid.infotexts[2]
+    for cell, what in ((on, "On"), (off, "Off")):
+        value = psnr(cell, stock.images[0])
+        forge_ui.record(f"forge: X/Y/Z [OpenVINO] Enabled, the {what} cell against stock", value)
+        assert value >= MIN_AUTO_DB, (what, value)
