@@ -1,9 +1,9 @@
 """The extension accelerating inside a real Forge, over HTTP, against Forge's own picture for the same request.
 
-Runs after ``test_real_forge.py`` on the same Forge, which shows the reference is sound: stock Forge's picture on
-these checkpoints is not flat and moves with the prompt (26.5 dB), the seed (10.6 dB), the LoRA (21.5 dB) and the
-checkpoint (9.4 dB), so a picture within :data:`MIN_F32_DB` of stock's cannot come from a wrong part. Measured here
-(AMD EPYC Zen 4, 2026-11-29): f32 86 dB against stock, a LoRA bit for bit, *Automatic* (bf16) 43 dB.
+``test_real_forge.py`` (on a Forge of its own, same bed and checkpoints) shows the reference is sound: stock Forge's
+picture on these checkpoints is not flat and moves with the prompt (26.5 dB), the seed (10.6 dB), the LoRA (21.5 dB)
+and the checkpoint (9.4 dB), so a picture within :data:`MIN_F32_DB` of stock's cannot come from a wrong part.
+Measured here (AMD EPYC Zen 4, 2026-11-29): f32 86 dB against stock, a LoRA bit for bit, *Automatic* (bf16) 43 dB.
 
 Forge reuses a request's conditioning when its cache key is unchanged (``processing.cached_params``), and then
 never calls the text encoder; the key holds ``distilled_cfg_scale``, which SD 1.x and SDXL do not use, so

@@ -2,7 +2,7 @@
 the always-on "OpenVINO" section, a generation made from the page through the section, paste-back, and neither a
 JavaScript error of the extension in the browser's console nor an error of it in Forge's log.
 
-A Forge of its own with its UI (``forge_ui`` in conftest.py, for this module: the session's ``forge`` runs API
+A Forge of its own with its UI (``forge_ui`` in conftest.py, for this module: the other modules' ``forge`` runs API
 only), on the tier's cheap SD 1.5 checkpoint, with this project cloned into its ``extensions/``; its log, the
 browser's console (``browser-console.log``) and the pictures are in its log folder. Needs Debian's
 chromium and chromedriver and selenium (``.ci/browser-setup``); skipped with the reason without them, as
