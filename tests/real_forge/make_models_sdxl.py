@@ -31,6 +31,9 @@ from typing import Any
 
 from make_models import fp16_state, non_degenerate, use_forge
 
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "real_webui"))
+from vae_approx import write_vae_approx_sdxl  # noqa: E402 (after this folder's make_models: appended, not first)
+
 CHECKPOINT = "ovtest-forge-sdxl.safetensors"
 SEED = 3
 SDXL_REPO = os.path.join("backend", "huggingface", "stabilityai", "stable-diffusion-xl-base-1.0")
@@ -139,25 +142,6 @@ def check_guess(state: dict[str, Any]) -> None:
     assert type(guess) is model_list.SDXL, f"huggingface_guess sees {type(guess).__name__}, not SDXL"
     found = {k: guess.unet_config.get(k) for k in UNET_CONFIG}
     assert found == UNET_CONFIG, f"huggingface_guess reads another UNet: {found}"
-
-
-def write_vae_approx_sdxl(models: str) -> None:
-    """A random ``VAE-approx/vaeapprox-sdxl.pt`` in the layout of ``modules/sd_vae_approx.VAEApprox`` (the same in
-    Forge as in A1111, and the same recipe as ``tests/real_webui/make_models_sdxl_sd2.py``'s, which this script
-    cannot import: its ``import make_models`` would find this folder's): eight unpadded convs
-    (4 -> 8 -> 16 -> 32 -> 64 -> 32 -> 16 -> 8 -> 3 channels; kernels 7, 5, then 3)."""
-    import torch
-
-    torch.manual_seed(6)
-    channels = [4, 8, 16, 32, 64, 32, 16, 8, 3]
-    kernels = [7, 5, 3, 3, 3, 3, 3, 3]
-    state = {}
-    for i, kernel in enumerate(kernels):
-        conv = torch.nn.Conv2d(channels[i], channels[i + 1], kernel)
-        state.update({f"conv{i + 1}.{k}": v for k, v in conv.state_dict().items()})
-    folder = os.path.join(models, "VAE-approx")
-    os.makedirs(folder, exist_ok=True)
-    torch.save(state, os.path.join(folder, "vaeapprox-sdxl.pt"), _use_new_zipfile_serialization=False)
 
 
 def main(webui: str, models: str) -> None:

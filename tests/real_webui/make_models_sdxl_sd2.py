@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import make_models
+from vae_approx import write_vae_approx_sdxl
 
 OPEN_CLIP_CONFIGS = Path(__file__).resolve().with_name("ovtest-open-clip") / "model_configs"
 OPEN_CLIP_ARCH = "ovtest-open-clip-tiny"
@@ -232,23 +233,6 @@ def write_sdxl_lora(model: Any, models: str) -> None:
         tensors[f"{key}.lora_up.weight"] = torch.randn(m.out_features, rank, generator=gen) * scale
         tensors[f"{key}.alpha"] = torch.tensor(float(rank))
     make_models.save_lora(tensors, models, "ovtest-sdxl-lora", len(layers))
-
-
-def write_vae_approx_sdxl(models: str) -> None:
-    """A random ``VAE-approx/vaeapprox-sdxl.pt`` in the layout of the WebUI's ``sd_vae_approx.VAEApprox``: eight
-    unpadded convs (4 -> 8 -> 16 -> 32 -> 64 -> 32 -> 16 -> 8 -> 3 channels; kernels 7, 5, then 3)."""
-    import torch
-
-    torch.manual_seed(6)
-    channels = [4, 8, 16, 32, 64, 32, 16, 8, 3]
-    kernels = [7, 5, 3, 3, 3, 3, 3, 3]
-    state = {}
-    for i, kernel in enumerate(kernels):
-        conv = torch.nn.Conv2d(channels[i], channels[i + 1], kernel)
-        state.update({f"conv{i + 1}.{k}": v for k, v in conv.state_dict().items()})
-    folder = os.path.join(models, "VAE-approx")
-    os.makedirs(folder, exist_ok=True)
-    torch.save(state, os.path.join(folder, "vaeapprox-sdxl.pt"), _use_new_zipfile_serialization=False)
 
 
 def main(webui: str, models: str, clip_dir: str) -> None:
