@@ -178,10 +178,10 @@ class LdmSplit(UNetSplit):
         self.check_depth(len(unet.input_blocks), len(unet.output_blocks))
         self.source_module = sys.modules[type(unet).__module__]
         missing = [name for name in ("th", "timestep_embedding") if not hasattr(self.source_module, name)]
-        if missing:  # e.g. Forge's IntegratedUNet2DConditionModel: LDM-shaped, but its blocks take other arguments
+        if missing:  # LDM-shaped, but another implementation whose blocks may take other arguments
             raise StepCacheUnsupported(f"{type(unet).__name__} is not LDM/SGM's UNetModel (its module "
                                        f"{self.source_module.__name__} has no {' or '.join(missing)}): step caching "
-                                       "does not split it yet")
+                                       "does not split it")
         self._layers = len(unet.input_blocks)
 
     @property

@@ -247,7 +247,7 @@ class Accelerator:
                 target.part, target.label, weakref.ref(target.module), source, self.backends.counter(choice),
                 dict(target.varying_dims) if target.varying_dims is not None else VARYING_DIMS,
                 getattr(function, "__code__", None), target.method, target.own_code,
-                method if target.compiled is not None else None,
+                method if target.compiled is not None else None, target.split,
             )
             entries.append(entry)
         return entry

@@ -97,6 +97,8 @@ class CompiledRoute:
     own: Callable[..., Any] | None = None
     """The routed method as it was before routing, when what is compiled is another function of the module
     (``model_parts.Target.compiled``); None: the compiled one."""
+    splitter: Callable[[Any, int], UNetSplit] = split_unet
+    """How step caching splits the module at a depth (``model_parts.Target.split``)."""
 
     @property
     def source(self) -> Callable[..., Any]:
@@ -129,7 +131,7 @@ class CompiledRoute:
         build = self.splits.get(depth)
         if build is None and not self.step_cache_off:
             try:
-                split = split_unet(module, depth)
+                split = self.splitter(module, depth)
             except StepCacheUnsupported as exc:
                 self.step_cache_off = str(exc)
                 logger.warning("Accelerate with OpenVINO: no step caching for %s: %s", self.label, exc)
@@ -152,20 +154,23 @@ def compile_route(
     method: str = "forward",
     own_code: bool = False,
     own: Callable[..., Any] | None = None,
+    splitter: Callable[[Any, int], UNetSplit] | None = None,
 ) -> CompiledRoute:
     """A route whose method is ``source`` compiled through ``counter``'s backend (``ov_backend.CompiledMethod``);
     ``method`` is the name the routed module's method is replaced under, ``code`` the code object dynamo
     keeps its compiled variants on, ``own_code`` whether to compile a copy with its own (see
-    ``ov_backend.CompiledMethod``), ``own`` the routed method when ``source`` is another function."""
+    ``ov_backend.CompiledMethod``), ``own`` the routed method when ``source`` is another function, ``splitter`` how
+    step caching splits the module (None: ``split_unet``)."""
     compiled = ov_backend.CompiledMethod(source, counter, varying_dims, method, None if own_code else code, own_code)
-    return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=compiled, own=own)
+    return CompiledRoute(part=part, label=label, module_ref=module_ref, compiled=compiled, own=own,
+                         splitter=splitter or split_unet)
 
 
 def f32_route(entry: CompiledRoute, counter: GraphRunCounter) -> CompiledRoute:
     """``entry``'s route built again through ``counter`` (the f32 backend's)."""
     like = entry.compiled
     return compile_route(entry.part, entry.label, entry.module_ref, like.source, counter, like.varying, like.code,
-                         like.attribute, like.own_code, entry.own)
+                         like.attribute, like.own_code, entry.own, entry.splitter)
 
 
 def make_forward(

@@ -12,23 +12,20 @@ section's ``process_before_every_sampling`` hook clones the batch's UnetPatcher 
 on the clone (:meth:`ForgeHost.route_for_sampling`); the wrapper routes the UNet's forward for the length of each
 sampling call only. The patcher is the batch's own copy, so nothing of it outlives the batch, whatever ends it.
 
-A UNet call runs in OpenVINO only when it is the UNet's own work: Forge's extensions change that work through the
-call's ``control`` (its integrated ControlNet) and ``transformer_options`` (patches such as FreeU, Kohya HRFix,
-SAG, PAG, Token merging), whose Python a compiled graph would not follow. Such a call runs in PyTorch and the
-status names what changed it (:func:`unet_check`); every other call gets only the UNet's inputs
-(:func:`unet_inputs`).
+A UNet call runs in OpenVINO only when it is the UNet's own work (:mod:`.forge_unet`: what a call may carry, what
+the compiled function is given, and step caching's split of Forge's UNet).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from . import host
+from .forge_unet import ForgeSplit, unet_check, unet_forward, unet_inputs
 from .hosts import Attention
 from .model_parts import Target, UnsupportedModel, flagged_family, kind_of, lookup, text_encoder_target
 from .routing import Route, describe, routed
@@ -56,33 +53,6 @@ TEXT_ENCODER_SETS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("sd2", ("clip_h",), "SD 2.x"),
     ("sdxl", ("clip_g",), "SDXL refiner"),
     ("sdxl", ("clip_g", "clip_l"), "SDXL base"),
-)
-
-#: Keys of a UNet call's ``transformer_options`` that only describe the call (Forge's sampler and UNet write them
-#: as it runs: which rows are cond and uncond, the sigmas, the block being run): they change nothing it computes.
-BOOKKEEPING: frozenset[str] = frozenset({
-    "block", "block_index", "cond_indices", "cond_mark", "cond_or_uncond", "n_heads", "original_shape", "sigmas",
-    "transformer_index", "uncond_indices",
-})
-
-#: The UNet's own inputs (``IntegratedUNet2DConditionModel.forward``); ``control`` and ``transformer_options`` are
-#: Forge's hooks into its work.
-UNET_INPUTS: tuple[str, ...] = ("x", "timesteps", "context", "y")
-
-#: (where a patch's code lives, what Forge calls it), sorted: Forge's built-in UNet patches, by their folder or file.
-PATCH_OWNERS: tuple[tuple[str, str], ...] = (
-    ("sd_forge_controlllite", "ControlLLLite"),
-    ("sd_forge_controlnet", "ControlNet"),
-    ("sd_forge_dynamic_thresholding", "Dynamic Thresholding"),
-    ("sd_forge_freeu", "FreeU"),
-    ("sd_forge_ipadapter", "IP-Adapter"),
-    ("sd_forge_kohya_hrfix", "Kohya HRFix"),
-    ("sd_forge_latent_modifier", "Latent Modifier"),
-    ("sd_forge_multidiffusion", "MultiDiffusion"),
-    ("sd_forge_perturbed_attention", "PAG (Perturbed Attention Guidance)"),
-    ("sd_forge_sag", "SAG (Self-Attention Guidance)"),
-    ("sd_forge_stylealign", "StyleAlign"),
-    ("tomesd", "Token merging"),
 )
 
 #: (part, Forge module, its attention function, Forge's fused one in ``backend.attention``: the first name found, Forge
@@ -165,7 +135,7 @@ def find_targets(model: Any, parts: tuple[str, ...]) -> list[Target]:
                                        f"(forge_objects.{path}). This image was made in plain PyTorch.")
             if part == "unet":
                 targets.append(Target(part, path, module, check=unet_check, inputs=unet_inputs, compiled=unet_forward,
-                                      per_call=True))
+                                      split=ForgeSplit, per_call=True))
             else:
                 targets.append(Target(part, path, module))
     if "text_encoder" in parts:
@@ -183,74 +153,6 @@ def settle_grad_flags(module: nn.Module) -> None:
     for param in module.parameters():
         if param.requires_grad:
             param.requires_grad_(False)
-
-
-def _callables(value: Any) -> Iterator[Any]:
-    """Every callable inside ``value`` (a patch, or lists and dicts of them)."""
-    if callable(value) and not isinstance(value, type):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _callables(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _callables(item)
-
-
-def patch_owner(function: Any) -> str:
-    """Who a UNet patch belongs to: Forge's name for a built-in (e.g. "FreeU"), else where its code is."""
-    where = describe(function)
-    return next((name for folder, name in PATCH_OWNERS if folder in where), where)
-
-
-def _patch_names(options: dict[str, Any]) -> list[str]:
-    """What changes the UNet's work in a call's ``transformer_options`` ("FreeU (output_block_patch)", ...)."""
-    found: dict[str, set[str]] = {}
-    for key, value in options.items():
-        if key in BOOKKEEPING or not value:
-            continue
-        kinds = value.items() if key in ("patches", "patches_replace") and isinstance(value, dict) else [(key, value)]
-        for kind, patches in kinds:
-            owners = [patch_owner(f) for f in _callables(patches)] or [f"transformer option {key!r}"]
-            for owner in owners:
-                found.setdefault(owner, set()).add(str(kind))
-    return [f"{owner} ({', '.join(sorted(kinds))})" for owner, kinds in sorted(found.items())]
-
-
-def unet_check(unet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """Why this call of Forge's UNet must run in PyTorch ("" when it is the UNet's own work): a ControlNet's
-    residuals, a patch in its options, or an input OpenVINO's graph does not take."""
-    reasons = []
-    control = kwargs.get("control")
-    if control:
-        reasons.append("Forge's integrated ControlNet adds its residuals inside the UNet")
-    options = kwargs.get("transformer_options") or {}
-    patches = _patch_names(options) if isinstance(options, dict) else []
-    if patches:
-        reasons.append(f"{'; '.join(patches)} patch the UNet's blocks with Python code a compiled graph would not "
-                       "follow")
-    extra = sorted(k for k, v in kwargs.items()
-                   if k not in (*UNET_INPUTS, "control", "transformer_options") and v is not None)
-    if extra or len(args) > 4:
-        reasons.append(f"the UNet got inputs beyond its own ({', '.join(extra) or 'positional'})")
-    return "; ".join(reasons)
-
-
-def unet_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The UNet's own inputs of a call that passed :func:`unet_check`, as :func:`unet_forward` takes them: ``x``,
-    ``timesteps``, ``context`` (and SDXL's ``y``)."""
-    values = dict(zip(UNET_INPUTS, args))
-    values.update((k, kwargs[k]) for k in UNET_INPUTS if k in kwargs)
-    x = values.pop("x")
-    return (x,), {k: v for k, v in values.items() if v is not None}
-
-
-def unet_forward(unet: nn.Module, x: torch.Tensor, timesteps: torch.Tensor | None = None,
-                 context: torch.Tensor | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
-    """What is compiled for Forge's UNet: its forward with ``transformer_options`` of its own. The forward writes
-    its bookkeeping (the input's shape, the block it is in) into that dict; a dict from outside the graph would
-    make those sizes outputs of it, and the graph would be converted for each size on its own."""
-    return type(unet).forward(unet, x, timesteps, context, y, transformer_options={})
 
 
 class ForgeAttention:

@@ -166,15 +166,30 @@ def test_8_bit_weights_and_the_int8_unet(forge: Forge) -> None:
     assert again.images[0].std() > 5
 
 
-def test_step_caching_is_not_split_yet_and_says_so(forge: Forge) -> None:
-    """Step caching does not split Forge's UNet yet: every step runs full in OpenVINO, the status, the comment and
-    the infotext say so, and the picture is stock Forge's."""
-    payload = request("a harbour at dawn")
-    stock, fast, status = stock_and_fast(forge, payload, [*F32[:7], 2])
+def test_step_caching_splits_forges_unet_and_stays_close_to_the_uncached_picture(forge: Forge) -> None:
+    """Step caching on Forge's own UNet: the schedule in Forge's sampler steps, the status and the infotext as in
+    A1111, the picture close to the uncached one and moved by the shallow steps; with every step full, the split's
+    full method gives the uncached picture (it is Forge's UNet forward, block by block)."""
+    payload = request("a harbour at dawn", steps=10)
+    plain = forge.generate(fresh(accelerated(payload)))
+    cached = forge.generate(fresh(accelerated(payload, [*F32[:7], 2])))
+    status = forge.status()
     assert_accelerated(status)
-    assert "step caching does not split it yet" in status["status"], status["status"]
-    assert "no step caching" in fast.infotexts[0], fast.infotexts[0]
-    matches(forge, "step caching asked for (every step full)", stock, fast, status, MIN_F32_DB)
+    facts = status["step_cache"]
+    # 10 sampler steps at interval 2 (the first 2 and the last full): F F s F s F s F s F
+    assert (facts["full_calls"], facts["shallow_calls"]) == (6, 4), status["status"]
+    assert not facts["full_on_shallow_steps"] and not facts["unsupported"], status["status"]
+    assert "Step caching every 2 steps (depth 2): 6 full and 4 shallow" in status["status"], status["status"]
+    assert 'OpenVINO: "CPU, UNet+VAE+TE, f32, step cache 2"' in cached.infotexts[0], cached.infotexts[0]
+    difference = min(psnr(a, b) for a, b in zip(plain.images, cached.images))
+    forge.record("forge: step caching every 2 steps against uncached", difference, cached)
+    assert 20.0 <= difference < 80, difference  # close, and the shallow steps did change it
+    short = request("a harbour at dawn", steps=3)  # 3 steps: the first 2 and the last are full
+    whole = forge.generate(fresh(accelerated(short)))
+    split = forge.generate(fresh(accelerated(short, [*F32[:7], 2])))
+    status = forge.status()
+    assert (status["step_cache"]["full_calls"], status["step_cache"]["shallow_calls"]) == (3, 0), status["status"]
+    matches(forge, "step caching with every step full against uncached", whole, split, status, 80.0)
 
 
 def test_section_with_xyz_plot_accelerates_every_cell(forge: Forge) -> None:

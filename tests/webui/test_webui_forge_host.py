@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from ov_accelerate_webui import forge, hosts
+from ov_accelerate_webui import forge, forge_unet, hosts
 from ov_accelerate_webui.model_parts import UnsupportedModel
 from ov_accelerate_webui.routing import Route, mark_ours
 
@@ -97,7 +97,7 @@ def test_sd1_parts_are_found_where_forge_keeps_them() -> None:
     ]
     unet = targets[0]
     assert unet.module is model.forge_objects.unet.model.diffusion_model
-    assert unet.per_call and unet.check is forge.unet_check and unet.compiled is forge.unet_forward
+    assert unet.per_call and unet.check is forge_unet.unet_check and unet.compiled is forge_unet.unet_forward
     assert not any(t.per_call for t in targets[1:])
     # Forge's LoRA loader sets weights without requires_grad; dynamo's guards check the flag
     assert not any(p.requires_grad for t in targets for p in t.module.parameters())
@@ -137,29 +137,30 @@ def test_unet_check_names_what_changes_the_unets_work() -> None:
     unet, x = TinyUNet(), torch.zeros(2, 4, 8, 8)
     bookkeeping = {"cond_or_uncond": [1, 0], "sigmas": torch.ones(2), "cond_indices": [0], "uncond_indices": [1],
                    "cond_mark": torch.ones(2)}
-    assert forge.unet_check(unet, (x, torch.ones(2)), {"context": x, "control": None,
+    assert forge_unet.unet_check(unet, (x, torch.ones(2)), {"context": x, "control": None,
                                                        "transformer_options": bookkeeping}) == ""
     freeu = in_extension("sd_forge_freeu", "def output_block_patch(h, hsp, o):\n    return h, hsp\n",
                          "output_block_patch")
     options = dict(bookkeeping, patches={"output_block_patch": [freeu]})
-    assert forge.unet_check(unet, (x,), {"transformer_options": options}) == (
+    assert forge_unet.unet_check(unet, (x,), {"transformer_options": options}) == (
         "FreeU (output_block_patch) patch the UNet's blocks with Python code a compiled graph would not follow")
-    why = forge.unet_check(unet, (x,), {"control": {"input": [x]}, "transformer_options": {}})
+    why = forge_unet.unet_check(unet, (x,), {"control": {"input": [x]}, "transformer_options": {}})
     assert why == "Forge's integrated ControlNet adds its residuals inside the UNet"
-    assert "inputs beyond its own (denoise_mask)" in forge.unet_check(unet, (x,), {"denoise_mask": x})
-    odd = forge.unet_check(unet, (x,), {"transformer_options": {"block_modifiers": [lambda h, *a: h]}})
+    assert "inputs beyond its own (denoise_mask)" in forge_unet.unet_check(unet, (x,), {"denoise_mask": x})
+    odd = forge_unet.unet_check(unet, (x,), {"transformer_options": {"block_modifiers": [lambda h, *a: h]}})
     assert "test_webui_forge_host.py" in odd and "(block_modifiers)" in odd, odd  # an unknown patch: where it is
 
 
 def test_unet_inputs_and_forward_take_the_unets_own_inputs() -> None:
     x, t, c, y = torch.randn(2, 4, 8, 8), torch.ones(2), torch.randn(2, 77, 8), torch.randn(2, 6)
-    args, kwargs = forge.unet_inputs((x, t), {"context": c, "y": y, "control": None, "transformer_options": {"a": 1}})
+    call = {"context": c, "y": y, "control": None, "transformer_options": {"a": 1}}
+    args, kwargs = forge_unet.unet_inputs((x, t), call)
     assert args[0] is x and kwargs == {"timesteps": t, "context": c, "y": y}
-    args, kwargs = forge.unet_inputs((x, t, c), {"transformer_options": {}})
+    args, kwargs = forge_unet.unet_inputs((x, t, c), {"transformer_options": {}})
     assert set(kwargs) == {"timesteps", "context"} and kwargs["context"] is c
     unet = TinyUNet()
     expected = unet(x, t, context=c, transformer_options={})
-    assert torch.equal(forge.unet_forward(unet, x, t, c), expected)
+    assert torch.equal(forge_unet.unet_forward(unet, x, t, c), expected)
 
 
 def routed_unet(model: Any, seen: list[str]) -> Route:
