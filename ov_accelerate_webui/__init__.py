@@ -40,9 +40,7 @@ class Loaded:
         callbacks.on_model_loaded(self.extension.on_model_loaded)
         callbacks.on_cfg_denoiser(self.extension.on_cfg_denoiser)
         callbacks.on_script_unloaded(self.extension.unload)
-        from .weights_at_load import install
-
-        uninstall = install(self.extension) if self.extension.webui.loads_into_weight_file else None
+        uninstall = self.extension.webui.install_load_hook(self.extension)
         if uninstall is not None:
             callbacks.on_script_unloaded(uninstall)
         callbacks.on_app_started(lambda _demo, app: add_routes(app, self.extension))

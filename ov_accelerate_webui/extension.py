@@ -360,7 +360,7 @@ class Extension:
                 accelerator.forget_unless(model)
         if generation is not None:
             generation.session.follow(model)
-        elif self.webui.loads_into_weight_file:
+        else:
             weights_at_load.place(model, accelerator, self.accelerator)
 
     def before_sampling(self, p: Any) -> None:

@@ -218,7 +218,6 @@ class ForgeHost:
     """Forge main (lllyasviel/stable-diffusion-webui-forge) and Forge Neo."""
 
     name = "Forge"
-    loads_into_weight_file = False
 
     def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
         return find_targets(model, parts)
@@ -229,6 +228,11 @@ class ForgeHost:
 
     def attention(self, parts: tuple[str, ...]) -> Attention:
         return ForgeAttention(parts)
+
+    def install_load_hook(self, extension: Any) -> Callable[[], None] | None:
+        from .forge_load import install
+
+        return install(extension)
 
     def route_for_sampling(self, p: Any, routes: Sequence[Route]) -> str:
         if not routes:

@@ -2,23 +2,23 @@
 
 AUTOMATIC1111 v1.10.1 and Forge keep the same front end (scripts, hooks, infotext, the HTTP API) over different
 model code. The shared adapter code asks a :class:`Host` where the parts of the loaded model are, how the UNet is
-put on the route for a sampling call, which attention the routed UNet runs, and whether a checkpoint load can write
-the weights into the weight file; it never asks which WebUI it is in. :func:`detect` picks the implementation from
-what the WebUI has imported (:func:`.host.is_forge`).
+put on the route for a sampling call, which attention the routed UNet runs, and how its checkpoint load is wrapped
+to write the weights into the weight file; it never asks which WebUI it is in. :func:`detect` picks the
+implementation from what the WebUI has imported (:func:`.host.is_forge`).
 
 - :class:`A1111Host`: the LDM/sgm model of A1111 (:mod:`.model_parts`); every part is routed for the whole
   generation, the UNet's attention is A1111's "sdp" while routed (:mod:`.attention`), and the checkpoint load
   writes the weights into the weight file (:mod:`.weights_at_load`).
 - :class:`.forge.ForgeHost`: Forge's ``forge_objects``; the UNet is routed for each sampling call by a function
   wrapper on a clone of Forge's UnetPatcher, set again before every sampling (each batch, the hires pass,
-  img2img).
+  img2img); the checkpoint load writes the weights into the weight file part by part (:mod:`.forge_load`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from . import host
@@ -48,8 +48,6 @@ class Host(Protocol):
 
     name: str
     """What the user calls it, for messages: "AUTOMATIC1111", "Forge"."""
-    loads_into_weight_file: bool
-    """Whether a checkpoint load can write the routed parts' weights straight into the weight file."""
 
     def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
         """The modules to route for ``parts`` of ``model``. Raises ``model_parts.UnsupportedModel``."""
@@ -66,12 +64,16 @@ class Host(Protocol):
         on the host's own patch point for ``p``'s sampling. Returns why they could not be ("" when they were, or
         when there is nothing to do)."""
 
+    def install_load_hook(self, extension: Any) -> Callable[[], None] | None:
+        """Wrap the WebUI's checkpoint load so that, while acceleration is in use, the routed parts' weights go from
+        the checkpoint file straight into the weight file. Returns what takes the wrapper out again (None: the
+        WebUI's loader is not there)."""
+
 
 class A1111Host:
     """AUTOMATIC1111 WebUI v1.10.1."""
 
     name = "AUTOMATIC1111"
-    loads_into_weight_file = True
 
     def find_targets(self, model: Any, parts: tuple[str, ...]) -> list[Target]:
         return find_targets(model, parts)
@@ -84,6 +86,11 @@ class A1111Host:
 
     def route_for_sampling(self, p: Any, routes: Sequence[Route]) -> str:
         return ""  # every route stays for the whole generation: no target is per call
+
+    def install_load_hook(self, extension: Any) -> Callable[[], None] | None:
+        from .weights_at_load import install
+
+        return install(extension)
 
 
 class NoAttention(contextlib.AbstractContextManager):

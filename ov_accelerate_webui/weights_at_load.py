@@ -80,15 +80,27 @@ def fill_weights(accelerator: Accelerator, model: Any, state_dict: dict[str, Any
         return None
     settings, weight_file = found
     names = {id(m): name for name, m in model.named_modules()}
+    modules = [(names[id(t.module)], t.module) for t in accelerator.host.find_targets(model, settings.parts)
+               if id(t.module) in names]
+    return fill_modules(accelerator, weight_file, settings, checkpoint_label(model), modules, state_dict, dtype,
+                        lambda param: param.is_meta, default_cache_dir)[0]
+
+
+def fill_modules(accelerator: Accelerator, weight_file: Any, settings: AccelerateSettings, label: str,
+                 modules: Sequence[tuple[str, torch.nn.Module]], state_dict: dict[str, Any], dtype: torch.dtype | None,
+                 pending: Callable[[torch.nn.Parameter], bool], default_cache_dir: str,
+                 requires_grad: bool | None = None) -> tuple[Any, list[str]]:
+    """Write the parameters of ``modules`` ((key prefix in ``state_dict``, module)) that ``pending`` accepts and
+    ``state_dict`` holds at their shape into ``weight_file`` at ``dtype`` (None: each parameter's own), one at a time,
+    each taken out of ``state_dict``, and make them the modules' parameters (``requires_grad``: None keeps each one's
+    flag). Returns (the ``ov_backend.MoveResult``, or None with nothing to write; the keys written). ``label`` names
+    the checkpoint in the log and the status; ``default_cache_dir`` is the WebUI's (for the memory check)."""
     slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, str]] = []
     seen: set[int] = set()
-    for target in accelerator.host.find_targets(model, settings.parts):
-        prefix = names.get(id(target.module))
-        if prefix is None:
-            continue
-        for sub_name, sub in target.module.named_modules():
+    for prefix, module in modules:
+        for sub_name, sub in module.named_modules():
             for name, param in sub._parameters.items():
-                if param is None or not param.is_meta or id(param) in seen:
+                if param is None or id(param) in seen or not pending(param):
                     continue
                 seen.add(id(param))
                 key = ".".join(part for part in (prefix, sub_name, name) if part)
@@ -97,27 +109,28 @@ def fill_weights(accelerator: Accelerator, model: Any, state_dict: dict[str, Any
                         and tuple(source.shape) == tuple(param.shape):
                     slots.append((sub, name, param, key))
     if not slots:
-        return None
-    check_room(accelerator, model, settings, [param for _, _, param, _ in slots], default_cache_dir)
-    items = [(param.shape, dtype, lambda key=key: state_dict.pop(key)) for _, _, param, key in slots]
-    grads = iter([param.requires_grad for _, _, param, _ in slots])
+        return None, []
+    check_room(accelerator, label, settings, [param for _, _, param, _ in slots], default_cache_dir)
+    items = [(param.shape, dtype or param.dtype, lambda key=key: state_dict.pop(key)) for _, _, param, key in slots]
+    grads = iter([param.requires_grad if requires_grad is None else requires_grad for _, _, param, _ in slots])
     tensors, result = weight_file.fill(items, wrap=lambda t: torch.nn.Parameter(t, requires_grad=next(grads)))
     size = ov_backend.format_bytes
     for why, nbytes in result.kept_bytes.items():
         logger.warning("Accelerate with OpenVINO: %s of weights load into memory as before: %s", size(nbytes), why)
     if tensors is None:
-        return result
+        return result, []
     for (module, name, _, _), tensor in zip(slots, tensors):
         module._parameters[name] = tensor
-    note = (f"At the checkpoint load ({checkpoint_label(model)}), {size(result.moved_bytes)} of weights went from "
-            f"the checkpoint file straight into the weight file ({result.seconds:.1f} s): PyTorch's {dtype} copy "
-            "of them was never in memory.")
+    kind = "PyTorch's copy" if dtype is None else f"PyTorch's {dtype} copy"
+    note = (f"At the checkpoint load ({label}), {size(result.moved_bytes)} of weights went from "
+            f"the checkpoint file straight into the weight file ({result.seconds:.1f} s): {kind} of them was never "
+            "in memory.")
     logger.info("Accelerate with OpenVINO: %s", note)
     accelerator.add_load_note(note)
-    return result
+    return result, [key for _, _, _, key in slots]
 
 
-def check_room(accelerator: Accelerator, model: Any, settings: AccelerateSettings, weights: Sequence[torch.Tensor],
+def check_room(accelerator: Accelerator, label: str, settings: AccelerateSettings, weights: Sequence[torch.Tensor],
                default_cache_dir: str) -> None:
     """Before a checkpoint's routed weights load: whether OpenVINO's compiled copy of them at the chosen precision
     will fit in the memory left (``OVBackend.memory_shortage``: the check each build makes, with 8-bit weights named
@@ -131,7 +144,7 @@ def check_room(accelerator: Accelerator, model: Any, settings: AccelerateSetting
         return
     if why is None:
         return
-    note = (f"{checkpoint_label(model)} loaded, but its accelerated parts may not fit in memory at "
+    note = (f"{label} loaded, but its accelerated parts may not fit in memory at "
             f"{choice.precision}: {why}. Until they do, they run in PyTorch.")
     logger.warning("Accelerate with OpenVINO: %s", note)
     accelerator.add_load_note(note)

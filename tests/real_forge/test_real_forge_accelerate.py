@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ov_accelerate_webui.options import WEIGHTS_IN_FILE_OPTION
 from tests.real_webui.webui import SCRIPT_NAME, Result, psnr
 
 from .forge import CHECKPOINT_A, CHECKPOINT_B, LORA, SDXL_CHECKPOINT, SECTION_NAME, Forge, assert_accelerated
@@ -142,6 +143,30 @@ def test_checkpoint_switch_and_back(forge: Forge) -> None:
     assert not status_a["switches"], status_a["switches"]
     assert status_a["cache_hits"] > 0, status_a["status"]  # A's converted models, from the disk cache
     matches(forge, "checkpoint A again", stock_a, fast_a, status_a, MIN_F32_DB)
+
+
+def test_a_load_while_accelerating_writes_the_routed_weights_straight_into_the_file(forge: Forge) -> None:
+    """After an accelerated generation, the next checkpoint Forge loads writes the routed parts' weights from the
+    checkpoint file into the weight file (Forge's f32 copy of them is never made): stock Forge's picture from those
+    weights is bit for bit its picture after its own load (the setting off), and the status says what moved."""
+    payload = request("a lighthouse at night")
+    forge.generate(fresh(accelerated(payload)))  # acceleration in use, on checkpoint A
+    forge.call("/sdapi/v1/options", {WEIGHTS_IN_FILE_OPTION: False})
+    try:
+        with on_checkpoint(forge, CHECKPOINT_B):
+            own = forge.generate(fresh(payload))  # Forge's own load of B
+    finally:
+        forge.call("/sdapi/v1/options", {WEIGHTS_IN_FILE_OPTION: True})
+    forge.generate(fresh(payload))  # back on A (Forge loads a checkpoint at the request that needs it)
+    with on_checkpoint(forge, CHECKPOINT_B):
+        filled = forge.generate(fresh(payload))  # B again: into the weight file as it loads
+        fast = forge.generate(fresh(accelerated(payload)))
+    status = forge.status()
+    assert psnr(own.images[0], filled.images[0]) == float("inf")
+    assert_accelerated(status)
+    assert "ovtest-forge-sd15-b" in status["status"] and "straight into the weight file" in status["status"], \
+        status["status"]
+    matches(forge, "after a load into the weight file", filled, fast, status, MIN_F32_DB)
 
 
 def test_8_bit_weights_and_the_int8_unet(forge: Forge) -> None:

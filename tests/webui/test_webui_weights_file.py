@@ -250,3 +250,67 @@ def test_a_load_a1111_makes_that_will_not_fit_is_warned_about_before_it_fills_me
         assert len(loaded) == 2
     finally:
         uninstall()
+
+
+def test_forges_load_writes_the_routed_parts_into_the_file_and_leaves_the_rest_to_forge(
+        fake_host: SimpleNamespace, extension: Any, f32: Any, monkeypatch: Any) -> None:
+    """``forge_load.install`` around a ``load_state_dict`` of Forge main's signature (``backend/state_dict.py``: a
+    non-strict load that prints the missing keys not in ``ignore_errors``), called by its loader's name for it, on
+    parts named as Forge's classes and built at f32 before the load, from a float16 checkpoint."""
+    import sys
+    import types
+
+    import torch
+    from torch import nn
+
+    from ov_accelerate_webui import forge_load
+
+    missing_printed: list[list[str]] = []
+
+    def forge_load_state_dict(model: Any, sd: Any, ignore_errors: Any = (), log_name: Any = None,
+                              ignore_start: Any = None) -> None:
+        missing, _unexpected = model.load_state_dict(sd, strict=False)
+        missing_printed.append([k for k in missing if k not in ignore_errors])
+
+    loader = types.ModuleType("backend.loader")
+    loader.load_state_dict = forge_load_state_dict
+    monkeypatch.setitem(sys.modules, "backend.loader", loader)
+    unet_class = type("IntegratedUNet2DConditionModel", (nn.Sequential,), {})
+    vae_class = type("IntegratedAutoencoderKL", (nn.Module,), {})
+
+    def load(part: str, seed: int) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        torch.manual_seed(seed)
+        if part == "unet":
+            model = unet_class(nn.Conv2d(4, 8, 3), nn.GroupNorm(2, 8))
+        else:
+            model = vae_class()
+            model.decoder, model.encoder, model.quant_conv = nn.Conv2d(4, 3, 1), nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 1)
+        state_dict = {k: torch.randn_like(v).half() for k, v in model.state_dict().items()}
+        want = {k: v.float() for k, v in state_dict.items()}
+        loader.load_state_dict(model, state_dict, ignore_errors=["logit_scale"])
+        return model, state_dict, want
+
+    uninstall = forge_load.install(extension)
+    assert uninstall is not None
+    try:
+        model, state_dict, want = load("unet", 1)  # acceleration not in use yet: Forge's own load
+        assert state_dict.keys() == want.keys() and missing_printed[-1] == []
+        assert all(torch.equal(p, want[k]) for k, p in model.state_dict().items())
+
+        unet_only = dataclasses.replace(f32, vae=False, text_encoder=False)
+        extension.run(make_p(fake_host), unet_only)
+        model, state_dict, want = load("unet", 2)
+        weight_file = extension.accelerator().backends.weight_file(unet_only.backend_choice("unused"))
+        assert not state_dict and missing_printed[-1] == []  # written into the file; not listed as missing
+        for name, param in model.named_parameters():
+            assert weight_file.holds(param) and param.dtype == torch.float32 and not param.requires_grad, name
+            assert torch.equal(param, want[name]), name
+        assert "straight into the weight file" in extension.accelerator().pop_load_notes()[-1]
+
+        vae, state_dict, want = load("vae", 3)  # not routed: Forge loads it
+        assert state_dict.keys() == want.keys()
+        assert not any(weight_file.holds(p) for p in vae.parameters())
+        assert all(torch.equal(p, want[k]) for k, p in vae.state_dict().items())
+    finally:
+        uninstall()
+    assert loader.load_state_dict is forge_load_state_dict

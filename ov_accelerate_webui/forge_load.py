@@ -1,0 +1,104 @@
+"""Forge's checkpoint load into the weight file: the routed parts' weights go from the checkpoint file straight into
+the weight file as Forge loads them, as :mod:`.weights_at_load` does in A1111.
+
+Forge (``backend/loader.py``) builds each part of a checkpoint (the UNet, the VAE, each text encoder) at its storage
+precision with its memory untouched (Forge's layers skip their initialisation), then copies the part's state dict into
+it with ``backend.state_dict.load_state_dict``, which the loader calls by the name it imported. Wrapped here: before
+Forge's copy, the parameters of the part's routed modules are written one at a time from the state dict (safetensors
+maps the checkpoint file: its pages are the file's) into the weight file at the parameter's own precision, and become
+the part's parameters; their keys leave the state dict, so Forge copies the rest and does not list them as missing.
+Forge's copy of them (a full-size SDXL UNet at f32: 10.3 GB) is never in memory.
+
+When: acceleration is in use (:func:`.weights_at_load.in_use`: the last generation was accelerated, or *Enable for
+every generation* is on) and *Keep PyTorch's copy ... in a file* is on. Forge loads the request's checkpoint inside
+``process_images``, after the generation was prepared, so the first accelerated generation after Forge starts loads
+into the file too. A load never fails because of this: what cannot go to the file loads as Forge loads it, with the
+reason in the log, and moves at its first compile as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from . import host
+from .backend_bridge import BackendUnavailable
+from .model_parts import UnsupportedModel, lookup
+from .weights_at_load import fill_modules, in_use
+
+logger = logging.getLogger(__name__)
+
+#: (Forge's class of a part, the part, the routed modules' paths in it), sorted: what :mod:`.forge`'s targets route
+#: of each part as Forge's loader builds it (``backend/nn/vae.py``, ``clip.py``, ``unet.py``).
+COMPONENTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("IntegratedAutoencoderKL", "vae", ("decoder", "encoder")),
+    ("IntegratedCLIP", "text_encoder", ("transformer.text_model.encoder",)),
+    ("IntegratedUNet2DConditionModel", "unet", ("",)),
+)
+
+#: Marks our wrapper of Forge's ``load_state_dict`` (its original under this name).
+_OURS = "_ov_accelerate_forge_load_hook"
+
+
+def fill_component(extension: Any, component: Any, state_dict: dict[str, Any]) -> list[str]:
+    """Before Forge copies ``state_dict`` into ``component`` (a part its loader built): the routed modules' weights
+    into the weight file, when acceleration is in use. Returns the keys written (taken out of ``state_dict``)."""
+    row = next((r for r in COMPONENTS if r[0] == type(component).__name__), None)
+    if row is None or not isinstance(state_dict, dict):
+        return []
+    _name, part, paths = row
+    try:
+        found = in_use(extension.made_accelerator(), extension.accelerator)
+        if found is None:
+            return []
+        accelerator, settings = found
+        target = accelerator.load_target(settings, host.default_cache_dir())
+        if target is None or part not in target[0].parts:
+            return []
+        settings, weight_file = target
+        modules = [(path, lookup(component, path) if path else component) for path in paths]
+        missing = [path for path, module in modules if module is None]
+        if missing:
+            raise UnsupportedModel(f"{type(component).__name__} has no {', '.join(missing)}")
+        _result, keys = fill_modules(accelerator, weight_file, settings, loading_checkpoint(), modules, state_dict,
+                                     None, lambda _param: True, host.default_cache_dir(), requires_grad=False)
+        return keys
+    except (BackendUnavailable, UnsupportedModel, ValueError, OSError) as exc:
+        logger.warning("Accelerate with OpenVINO: Forge's %s loads into memory as before: %s", part, exc)
+        return []
+
+
+def loading_checkpoint() -> str:
+    """The checkpoint Forge is loading, as its dropdown names it (``sd_models.model_data.forge_loading_parameters``)."""
+    data = getattr(host.sd_models(), "model_data", None)
+    parameters = getattr(data, "forge_loading_parameters", None)
+    info = parameters.get("checkpoint_info") if isinstance(parameters, dict) else None
+    return str(getattr(info, "title", None) or "the checkpoint Forge is loading")
+
+
+def install(extension: Any) -> Callable[[], None] | None:
+    """Wrap the ``load_state_dict`` Forge's loader calls (:func:`fill_component` first). Returns the function that
+    takes the wrapper out again (on script unload); None where Forge's loader is not imported."""
+    loader = host.imported_module("backend.loader")
+    original = getattr(loader, "load_state_dict", None) if loader is not None else None
+    if original is None:
+        return None
+    while getattr(original, _OURS, None) is not None:  # a previous load of this script left its own (reload)
+        original = getattr(original, _OURS)
+
+    def load_state_dict(model: Any, sd: Any, *args: Any, **kwargs: Any) -> Any:
+        filled = fill_component(extension, model, sd)
+        if filled:
+            ignored = list(args[0] if args else kwargs.get("ignore_errors") or [])
+            args, kwargs = args[1:], dict(kwargs, ignore_errors=[*ignored, *filled])
+        return original(model, sd, *args, **kwargs)
+
+    setattr(load_state_dict, _OURS, original)
+    loader.load_state_dict = load_state_dict
+
+    def uninstall() -> None:
+        if getattr(loader, "load_state_dict", None) is load_state_dict:
+            loader.load_state_dict = original
+
+    return uninstall
