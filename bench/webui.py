@@ -220,9 +220,17 @@ def prepare(config: WebUIBenchSettings, work: Path) -> tuple[BenchWebUI, tuple[s
     testbed = Path(config.testbed)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     if config.webui == "forge":  # the Forge bed links every model it has, the A1111 bed's full-size SD 1.5 too
-        checkpoint = forge.CHECKPOINT_A if config.tiny else forge.FULL_CHECKPOINT
-        ui = BenchForge(testbed, work / "data", work / "logs", checkpoint)
+        checkpoint = forge.CHECKPOINT_A if config.tiny else SDXL_CHECKPOINT if config.model == "sdxl" \
+            else forge.FULL_CHECKPOINT
+        ui = BenchForge(testbed, work / "data", work / "logs", checkpoint, config.enable_always)
         ui.prepare([])
+        if config.model == "sdxl":  # made once in the Forge bed's own models folder, by its Python
+            made = testbed / "webui" / "models" / "Stable-diffusion" / SDXL_CHECKPOINT
+            if not made.is_file():
+                logger.warning("making %s (a full-size random SDXL base, fp16, about 7 GB; minutes)", made)
+                subprocess.run([str(ui.python), str(Path(__file__).with_name("make_sdxl.py")), str(made), "1"],
+                               cwd=ui.webui, env=ui.env(), check=True)
+            ui.link_checkpoints([made])
         if not (ui.data_dir / "models" / "Stable-diffusion" / checkpoint).is_file():
             raise FileNotFoundError(f"{checkpoint} is not in the Forge bed's models: build the A1111 bed's full-size "
                                     "model, then the Forge bed (bash .ci/testbed)")

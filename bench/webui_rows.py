@@ -195,13 +195,15 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
         if any(key not in alone for key in config.rows):
             raise ValueError(f"rows: with model sdxl only {', '.join(alone)} (one checkpoint and no LoRA), "
                              f"got {', '.join(config.rows)}")
-        config = dataclasses.replace(config, rows=config.rows or tuple(alone))
     if forge:
-        if config.model != "sd15" or config.enable_always or config.session:
-            raise ValueError("webui forge runs model sd15 only, without enable_always or the session")
+        if config.session:
+            raise ValueError("webui forge runs without the session")
         alone = [row.key for row in (*ROWS, RESTART) if row.key not in NOT_FORGE]
         if any(key not in alone for key in config.rows):
             raise ValueError(f"rows: with webui forge only {', '.join(alone)}, got {', '.join(config.rows)}")
+        config = dataclasses.replace(config, rows=config.rows or tuple(alone))
+    elif config.model == "sdxl" and not config.session:
+        alone = [row.key for row in (*ROWS, RESTART) if row.key not in NOT_SDXL]
         config = dataclasses.replace(config, rows=config.rows or tuple(alone))
     if config.rows:  # with the rows they are measured against, in the scenario's order
         wanted = set(config.rows) | {row.reference for row in (*ROWS, RESTART) if row.key in config.rows}

@@ -149,8 +149,10 @@ def test_the_forge_webui_runs_on_its_own_bed_the_rows_it_can_take(tmp_path, monk
     assert build_settings({}).testbed == tmp_path / "a1111" and build_settings({}).webui == "a1111"
     with pytest.raises(ValueError, match="with webui forge only first, again, .*got first, lora"):
         build_settings({"webui": "forge", "rows": ("first", "lora")})
-    with pytest.raises(ValueError, match="webui forge runs model sd15 only"):
-        build_settings({"webui": "forge", "model": "sdxl"})
+    sdxl = build_settings({"webui": "forge", "model": "sdxl", "enable_always": True, "accelerated_only": True})
+    assert sdxl.sizes[0] == (1024, 1024) and not set(sdxl.rows) & set(NOT_FORGE), sdxl
+    with pytest.raises(ValueError, match="webui forge runs without the session"):
+        build_settings({"webui": "forge", "model": "sdxl", "session": True})
     with pytest.raises(ValueError, match="webui must be a1111 or forge, got 'comfy'"):
         build_settings({"webui": "comfy"})
     monkeypatch.setenv("FORGE_ROOT", str(tmp_path / "nothing"))
