@@ -51,7 +51,7 @@ from bench.webui_rows import (
 from ov_backend.memory import system_memory
 from ov_backend.settings import PREVIOUS_WEIGHTS
 from tests.real_forge import forge
-from tests.real_webui.webui import CHECKPOINT_A, CHECKPOINT_B, EXTENSION_NAME, SCRIPT_NAME, psnr
+from tests.real_webui.webui import CHECKPOINT_A, CHECKPOINT_B, EXTENSION_NAME, SCRIPT_NAME, psnr, testbed_root
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +224,13 @@ def prepare(config: WebUIBenchSettings, work: Path) -> tuple[BenchWebUI, tuple[s
             else forge.FULL_CHECKPOINT
         ui = BenchForge(testbed, work / "data", work / "logs", checkpoint, config.enable_always)
         ui.prepare([])
-        if config.model == "sdxl":  # made once in the Forge bed's own models folder, by its Python
-            made = testbed / "webui" / "models" / "Stable-diffusion" / SDXL_CHECKPOINT
+        if config.model == "sdxl":  # the A1111 bed's (its sgm makes it, once), linked
+            a1111 = BenchWebUI(testbed_root(), work / "a1111-data", work / "logs", SDXL_CHECKPOINT)
+            made = a1111.testbed / "webui" / "models" / "Stable-diffusion" / SDXL_CHECKPOINT
             if not made.is_file():
                 logger.warning("making %s (a full-size random SDXL base, fp16, about 7 GB; minutes)", made)
-                subprocess.run([str(ui.python), str(Path(__file__).with_name("make_sdxl.py")), str(made), "1"],
-                               cwd=ui.webui, env=ui.env(), check=True)
+                subprocess.run([str(a1111.python), str(Path(__file__).with_name("make_sdxl.py")), str(made), "1"],
+                               cwd=a1111.webui, env=a1111.env(), check=True)
             ui.link_checkpoints([made])
         if not (ui.data_dir / "models" / "Stable-diffusion" / checkpoint).is_file():
             raise FileNotFoundError(f"{checkpoint} is not in the Forge bed's models: build the A1111 bed's full-size "

@@ -10,6 +10,7 @@ caching, :class:`ForgeSplit`'s methods. Nothing here imports Forge: the UNet's m
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections.abc import Iterator
@@ -120,6 +121,17 @@ def unet_forward(unet: nn.Module, x: torch.Tensor, timesteps: torch.Tensor | Non
 
 
 
+def _parameters(module: Any) -> set[str] | None:
+    """The names ``module``'s forward takes (None: it takes any, or they cannot be read)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return None
+    return {p.name for p in parameters}
+
+
 class ForgeSplit(UNetSplit):
     """Forge's ``IntegratedUNet2DConditionModel`` (``backend/nn/unet.py``, LDM's layout) split for step caching.
 
@@ -137,6 +149,12 @@ class ForgeSplit(UNetSplit):
             raise StepCacheUnsupported(f"{type(unet).__name__}'s module {self.source_module.__name__} has no "
                                        "timestep_embedding: not Forge's LDM-shaped UNet")
         self.check_depth(len(unet.input_blocks), len(unet.output_blocks))
+        for blocks, wanted in ((unet.input_blocks, ("transformer_options",)),
+                               (unet.output_blocks, ("transformer_options", "output_shape"))):
+            taken = _parameters(blocks[0])
+            if taken is not None and not set(wanted) <= taken:
+                raise StepCacheUnsupported(f"{type(unet).__name__}'s blocks ({type(blocks[0]).__name__}) do not take "
+                                           f"{' and '.join(wanted)} as Forge's do: step caching does not split it")
         self._layers = len(unet.input_blocks)
 
     @property

@@ -127,6 +127,11 @@ def test_a_module_that_is_not_forges_unet_is_refused_with_the_reason() -> None:
         forge_unet.ForgeSplit(nn.Linear(2, 2), 1)
     with pytest.raises(StepCacheUnsupported, match="depth 3 does not fit"):
         forge_unet.ForgeSplit(ForgeShapedUNet(), 3)
+    other = ForgeShapedUNet()
+    other.output_blocks = nn.ModuleList([nn.Conv2d(16, 8, 1) for _ in range(3)])  # blocks of another signature
+    with pytest.raises(StepCacheUnsupported, match=r"blocks \(Conv2d\) do not take transformer_options and "
+                                                   "output_shape as Forge's do"):
+        forge_unet.ForgeSplit(other, 1)
 
 
 def test_the_forge_unet_target_splits_with_forges_split() -> None:
