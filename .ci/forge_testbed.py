@@ -64,7 +64,9 @@ MODEL_RECIPES = {
     "tests/real_forge/make_models_sdxl.py": ("Stable-diffusion/ovtest-forge-sdxl.safetensors",
                                              "VAE-approx/vaeapprox-sdxl.pt"),
 }
-SHARED_CHECKPOINT = "sd15-random.safetensors"  # the A1111 bed's full-size random SD 1.5 (linked, not built twice)
+#: The A1111 bed's models Forge's tier uses too (linked, not built twice): its full-size random SD 1.5, and the random
+#: ControlNet for it (Forge's integrated ControlNet reads the same files).
+SHARED_MODELS = ("Stable-diffusion/sd15-random.safetensors", "ControlNet/ovtest-controlnet-sd15.safetensors")
 
 
 class ForgeBed(a1111.TestBed):
@@ -129,12 +131,13 @@ class ForgeBed(a1111.TestBed):
                 say(f"models/: {', '.join(Path(name).name for name in files)} (random weights, Forge's classes)")
                 self.py(Path(a1111.__file__).resolve().parents[1] / recipe, self.webui, models, cwd=self.webui,
                         PYTHONWARNINGS="ignore")
-        link = models / "Stable-diffusion" / SHARED_CHECKPOINT
-        theirs = self.a1111 / "webui" / "models" / "Stable-diffusion" / SHARED_CHECKPOINT
-        if link.is_symlink() and not link.exists():
-            link.unlink()  # the A1111 bed was removed
-        if theirs.is_file() and not link.exists():
-            link.symlink_to(theirs)
+        for name in SHARED_MODELS:
+            link, theirs = models / name, self.a1111 / "webui" / "models" / name
+            if link.is_symlink() and not link.exists():
+                link.unlink()  # the A1111 bed was removed
+            if theirs.is_file() and not link.exists():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(theirs)
 
     def build(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

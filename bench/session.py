@@ -178,6 +178,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench session", description=__doc__.split("\n\n")[0])
+    p.add_argument("--webui", choices=("a1111", "forge"), default="a1111",
+                   help="the WebUI measured (default a1111; forge: the Forge test bed, model sdxl)")
     p.add_argument("--tiny", action="store_true", help="the real-host tier's tiny models (minutes)")
     p.add_argument("--model", choices=MODELS, help="the full-size model (default sd15)")
     p.add_argument("--precisions", nargs="+", choices=PRECISION_KEYS, help="accelerated runs (default: auto)")
@@ -213,13 +215,14 @@ def main(argv: Sequence[str]) -> int:
     sizes = (*args.sizes, args.sizes[1]) if args.sizes else None  # (the settings' third size: unused)
     options = {"tiny": args.tiny, "model": args.model, "precisions": precisions, "steps": args.steps,
                "sizes": sizes, "testbed": args.testbed, "out": args.out, "name": args.name,
-               "work_dir": args.work_dir, "min_available_gib": 0.0, "session": True}
+               "work_dir": args.work_dir, "min_available_gib": 0.0, "session": True, "webui": args.webui}
     try:
         config = build_settings(options)
     except ValueError as err:
         _parser().error(str(err))
     model = "tiny" if config.tiny else config.model
-    stem = config.name or f"session-{model}-{time.strftime('%Y-%m-%d')}"
+    host = "forge-" if config.webui == "forge" else ""
+    stem = config.name or f"session-{host}{model}-{time.strftime('%Y-%m-%d')}"
     header = webui_report.header(config, "python -m bench session " + " ".join(argv), args.note)
     header["settings"]["sizes"] = header["settings"]["sizes"][:2]  # (the third is the webui bench's)
     # absolute: the WebUI runs in its own folder, where a relative data folder names another

@@ -222,16 +222,23 @@ def prepare(config: WebUIBenchSettings, work: Path) -> tuple[BenchWebUI, tuple[s
     if config.webui == "forge":  # the Forge bed links every model it has, the A1111 bed's full-size SD 1.5 too
         checkpoint = forge.CHECKPOINT_A if config.tiny else SDXL_CHECKPOINT if config.model == "sdxl" \
             else forge.FULL_CHECKPOINT
-        ui = BenchForge(testbed, work / "data", work / "logs", checkpoint, config.enable_always)
+        ui = BenchForge(testbed, work / "data", work / "logs", checkpoint)
         ui.prepare([])
-        if config.model == "sdxl":  # the A1111 bed's (its sgm makes it, once), linked
+        if config.model == "sdxl":  # the A1111 bed's (its sgm makes them, once), linked
             a1111 = BenchWebUI(testbed_root(), work / "a1111-data", work / "logs", SDXL_CHECKPOINT)
-            made = a1111.testbed / "webui" / "models" / "Stable-diffusion" / SDXL_CHECKPOINT
-            if not made.is_file():
-                logger.warning("making %s (a full-size random SDXL base, fp16, about 7 GB; minutes)", made)
-                subprocess.run([str(a1111.python), str(Path(__file__).with_name("make_sdxl.py")), str(made), "1"],
-                               cwd=a1111.webui, env=a1111.env(), check=True)
-            ui.link_checkpoints([made])
+            names = (SDXL_CHECKPOINT, SDXL_CHECKPOINT_B) if config.session else (SDXL_CHECKPOINT,)
+            made = [a1111.testbed / "webui" / "models" / "Stable-diffusion" / name for name in names]
+            for path, seed in zip(made, ("1", "2"), strict=False):
+                if not path.is_file():
+                    logger.warning("making %s (a full-size random SDXL base, fp16, about 7 GB; minutes)", path)
+                    subprocess.run([str(a1111.python), str(Path(__file__).with_name("make_sdxl.py")), str(path), seed],
+                                   cwd=a1111.webui, env=a1111.env(), check=True)
+            ui.link_checkpoints(made)
+            if config.session:  # the session's switch and LoRA (Forge's loader reads kohya's format)
+                lora = ui.data_dir / "models" / "Lora" / f"{SDXL_LORA}.safetensors"
+                if not lora.is_file():
+                    logger.info("wrote %s (%d layers)", lora, write_kohya_lora(made[0], lora))
+                return ui, (SDXL_CHECKPOINT, SDXL_CHECKPOINT_B), SDXL_LORA
         if not (ui.data_dir / "models" / "Stable-diffusion" / checkpoint).is_file():
             raise FileNotFoundError(f"{checkpoint} is not in the Forge bed's models: build the A1111 bed's full-size "
                                     "model, then the Forge bed (bash .ci/testbed)")

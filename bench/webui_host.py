@@ -196,19 +196,14 @@ class BenchForge(BenchWebUI, Forge):
     it at its start: :meth:`start` ends with an untimed tiny generation, so that, as on A1111, no measured request
     pays the checkpoint load."""
 
-    def __init__(self, testbed: Path, data_dir: Path, log_dir: Path, checkpoint: str, enable_always: bool = False,
-                 ) -> None:
-        super().__init__(testbed, data_dir, log_dir, checkpoint)
-        self.enable_always = enable_always
-
     def start(self, timeout: float = 900) -> None:
         super().start(timeout)
         t0 = time.time()
         payload = {"prompt": "an untimed request that loads the checkpoint", "seed": 1, "steps": 1, "width": 64,
                    "height": 64, "sampler_name": "Euler", "batch_size": 1, "n_iter": 1, "save_images": False,
                    "send_images": False}
-        if self.enable_always:  # stock (the load still writes the weight file: *Enable for every generation* is on)
-            payload["alwayson_scripts"] = {SECTION_NAME: {"args": [False]}}
+        # stock (with *Enable for every generation* on, the load still writes the weight file)
+        payload["alwayson_scripts"] = {SECTION_NAME: {"args": [False]}}
         self.generate(payload)
         logger.info("Forge loaded %s at its first generation in %.1f s", self.checkpoint, time.time() - t0)
 

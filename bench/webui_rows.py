@@ -196,12 +196,12 @@ def build_settings(options: dict[str, Any]) -> WebUIBenchSettings:
             raise ValueError(f"rows: with model sdxl only {', '.join(alone)} (one checkpoint and no LoRA), "
                              f"got {', '.join(config.rows)}")
     if forge:
-        if config.session:
-            raise ValueError("webui forge runs without the session")
+        if config.session and config.model != "sdxl":
+            raise ValueError("webui forge runs the session with model sdxl only")
         alone = [row.key for row in (*ROWS, RESTART) if row.key not in NOT_FORGE]
-        if any(key not in alone for key in config.rows):
+        if not config.session and any(key not in alone for key in config.rows):
             raise ValueError(f"rows: with webui forge only {', '.join(alone)}, got {', '.join(config.rows)}")
-        config = dataclasses.replace(config, rows=config.rows or tuple(alone))
+        config = dataclasses.replace(config, rows=config.rows or (() if config.session else tuple(alone)))
     elif config.model == "sdxl" and not config.session:
         alone = [row.key for row in (*ROWS, RESTART) if row.key not in NOT_SDXL]
         config = dataclasses.replace(config, rows=config.rows or tuple(alone))

@@ -21,6 +21,7 @@ from torch import nn
 
 from ov_accelerate_sd.step_cache import StepCacheUnsupported, UNetSplit
 
+from .model_parts import Reason
 from .routing import describe
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,9 @@ def patch_owner(function: Any) -> str:
     return next((name for folder, name in PATCH_OWNERS if folder in where), where)
 
 
-def _patch_names(options: dict[str, Any]) -> list[str]:
-    """What changes the UNet's work in a call's ``transformer_options`` ("FreeU (output_block_patch)", ...)."""
+def _patch_names(options: dict[str, Any]) -> list[tuple[str, str]]:
+    """What changes the UNet's work in a call's ``transformer_options``: (its owner, with what it patches), e.g.
+    ("FreeU", "FreeU (output_block_patch)")."""
     found: dict[str, set[str]] = {}
     for key, value in options.items():
         if key in BOOKKEEPING or not value:
@@ -81,26 +83,30 @@ def _patch_names(options: dict[str, Any]) -> list[str]:
             owners = [patch_owner(f) for f in _callables(patches)] or [f"transformer option {key!r}"]
             for owner in owners:
                 found.setdefault(owner, set()).add(str(kind))
-    return [f"{owner} ({', '.join(sorted(kinds))})" for owner, kinds in sorted(found.items())]
+    return [(owner, f"{owner} ({', '.join(sorted(kinds))})") for owner, kinds in sorted(found.items())]
 
 
 def unet_check(unet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """Why this call of Forge's UNet must run in PyTorch ("" when it is the UNet's own work): a ControlNet's
-    residuals, a patch in its options, or an input OpenVINO's graph does not take."""
-    reasons = []
+    residuals, a patch in its options, or an input OpenVINO's graph does not take; a :class:`.model_parts.Reason`
+    whose short form names them for the infotext ("ControlNet", "FreeU", ...)."""
+    reasons, names = [], []
     control = kwargs.get("control")
     if control:
         reasons.append("Forge's integrated ControlNet adds its residuals inside the UNet")
+        names.append("ControlNet")
     options = kwargs.get("transformer_options") or {}
     patches = _patch_names(options) if isinstance(options, dict) else []
     if patches:
-        reasons.append(f"{'; '.join(patches)} patch the UNet's blocks with Python code a compiled graph would not "
-                       "follow")
+        reasons.append(f"{'; '.join(text for _, text in patches)} patch the UNet's blocks with Python code a compiled "
+                       "graph would not follow")
+        names.extend(owner for owner, _ in patches if owner not in names)
     extra = sorted(k for k, v in kwargs.items()
                    if k not in (*UNET_INPUTS, "control", "transformer_options") and v is not None)
     if extra or len(args) > 4:
         reasons.append(f"the UNet got inputs beyond its own ({', '.join(extra) or 'positional'})")
-    return "; ".join(reasons)
+        names.append("other inputs")
+    return Reason("; ".join(reasons), " + ".join(names)) if reasons else ""
 
 
 def unet_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -71,7 +71,8 @@ class InfotextEntry:
             self.notes.append("no step caching")
             comment_on(self.p, f"Accelerate with OpenVINO: no step caching: {reason}")
         else:
-            self.notes.append(f"{name} in PyTorch")
+            short = getattr(reason, "short", "")  # (a check's Reason names what made it so)
+            self.notes.append(f"{name} in PyTorch ({short})" if short else f"{name} in PyTorch")
             comment_on(self.p, f"Accelerate with OpenVINO: {name} ran in plain PyTorch: {reason}")
         self.p.extra_generation_params.update(generation_params(self.settings, self.notes, section=self.section))
 

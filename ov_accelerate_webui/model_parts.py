@@ -85,6 +85,18 @@ class UnsupportedModel(Exception):
     """The loaded model cannot be accelerated; the message says why and what to do."""
 
 
+class Reason(str):
+    """Why a call runs in PyTorch (:attr:`Target.check`'s answer), with the short name of what made it so for the
+    infotext's note, e.g. "FreeU" (a plain ``str`` answer has none)."""
+
+    short: str
+
+    def __new__(cls, text: str, short: str = "") -> Reason:
+        reason = super().__new__(cls, text)
+        reason.short = short
+        return reason
+
+
 @dataclass(frozen=True)
 class Target:
     """One module whose ``forward`` is routed through OpenVINO."""

@@ -151,8 +151,9 @@ def test_the_forge_webui_runs_on_its_own_bed_the_rows_it_can_take(tmp_path, monk
         build_settings({"webui": "forge", "rows": ("first", "lora")})
     sdxl = build_settings({"webui": "forge", "model": "sdxl", "enable_always": True, "accelerated_only": True})
     assert sdxl.sizes[0] == (1024, 1024) and not set(sdxl.rows) & set(NOT_FORGE), sdxl
-    with pytest.raises(ValueError, match="webui forge runs without the session"):
-        build_settings({"webui": "forge", "model": "sdxl", "session": True})
+    assert build_settings({"webui": "forge", "model": "sdxl", "session": True}).session
+    with pytest.raises(ValueError, match="webui forge runs the session with model sdxl only"):
+        build_settings({"webui": "forge", "session": True})
     with pytest.raises(ValueError, match="webui must be a1111 or forge, got 'comfy'"):
         build_settings({"webui": "comfy"})
     monkeypatch.setenv("FORGE_ROOT", str(tmp_path / "nothing"))

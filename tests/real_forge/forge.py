@@ -80,13 +80,14 @@ class Forge(WebUI):
         self.run_installer()
 
     def prepare_models(self, tiny_models: bool = True) -> None:
-        """Links to every checkpoint, LoRA and approximate VAE of the bed (the tier's, and the A1111 bed's
-        full-size checkpoint when it is there) in the data folder's models/; Forge only reads them."""
+        """Links to every checkpoint, LoRA, approximate VAE and ControlNet of the bed (the tier's, and the A1111
+        bed's full-size checkpoint and ControlNet when it has them) in the data folder's models/; Forge only reads
+        them."""
         bed_models = self.webui / "models"
-        for kind in ("Stable-diffusion", "Lora", "VAE-approx"):
+        for kind in ("Stable-diffusion", "Lora", "VAE-approx", "ControlNet"):
             folder = self.data_dir / "models" / kind
             folder.mkdir(parents=True, exist_ok=True)
-            for model in sorted((bed_models / kind).iterdir()):
+            for model in sorted((bed_models / kind).iterdir()) if (bed_models / kind).is_dir() else ():
                 if model.suffix not in (".safetensors", ".pt"):
                     continue
                 link = folder / model.name

@@ -20,10 +20,22 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from ov_accelerate_webui.options import WEIGHTS_IN_FILE_OPTION
+from tests.real_webui.controlnet import controlnet_unit, with_controlnet
 from tests.real_webui.webui import SCRIPT_NAME, Result, psnr
 
-from .forge import CHECKPOINT_A, CHECKPOINT_B, LORA, SDXL_CHECKPOINT, SECTION_NAME, Forge, assert_accelerated
+from .forge import (
+    CHECKPOINT_A,
+    CHECKPOINT_B,
+    FULL_CHECKPOINT,
+    LORA,
+    SDXL_CHECKPOINT,
+    SECTION_NAME,
+    Forge,
+    assert_accelerated,
+)
 from .test_real_forge import request
 
 F32 = ["CPU", True, True, True, "f32", True, "", 1]
@@ -247,8 +259,60 @@ def test_freeu_runs_the_unet_in_pytorch_and_names_it(forge: Forge) -> None:
     assert "FreeU (output_block_patch)" in why, why
     assert status["pytorch"][UNET]["calls"] == 3 and status["calls"][UNET] == 0, status
     assert status["calls"][VAE_DECODER] == 1 and status["calls"][TEXT_ENCODER] >= 1, status["calls"]
-    assert "UNet in PyTorch" in fast.infotexts[0], fast.infotexts[0]
+    assert "; UNet in PyTorch (FreeU)" in fast.infotexts[0], fast.infotexts[0]
     matches(forge, "FreeU on (UNet in PyTorch)", stock, fast, status, MIN_F32_DB)
+
+
+#: (Forge's built-in script, its arguments with it on, the owner the status names): scripts that patch the UNet call.
+BUILT_IN_PATCHES = (
+    ("Kohya HRFix Integrated", [True, 3, 2.0, 0.0, 0.35, True, "bicubic", "bicubic"], "Kohya HRFix"),
+    ("SelfAttentionGuidance Integrated", [True, 0.5, 2.0, 1.0], "SAG (Self-Attention Guidance)"),
+    ("PerturbedAttentionGuidance Integrated", [True, 3.0, 0.0, 0.0, 1.0], "PAG (Perturbed Attention Guidance)"),
+    ("StyleAlign Integrated", [True, 1.0], "StyleAlign"),
+)
+
+
+@pytest.mark.parametrize(("title", "args", "owner"), BUILT_IN_PATCHES, ids=[p[2].split()[0] for p in BUILT_IN_PATCHES])
+def test_forges_built_in_unet_patches_run_in_pytorch_and_are_named(forge: Forge, title: str, args: list[Any],
+                                                                   owner: str) -> None:
+    """Each of Forge's built-in scripts that patch the UNet call, on: the calls it patches run in PyTorch with the
+    script named in the status, the others (and the VAE, the text encoder) in OpenVINO, and the picture is stock
+    Forge's with the same script."""
+    script = next(s for s in forge.get("/sdapi/v1/script-info")
+                  if s["name"].startswith(title.lower()) and not s["is_img2img"])
+    payload = dict(request("a red kite over the dunes", batch_size=2),
+                   alwayson_scripts={script["name"]: {"args": args}})
+    stock, fast, status = stock_and_fast(forge, payload)
+    assert status["accelerated"], status["status"]
+    assert owner in status["pytorch"][UNET]["why"], status["pytorch"]
+    assert status["pytorch"][UNET]["calls"] >= 3, status["pytorch"]  # (3 steps)
+    assert status["calls"][VAE_DECODER] >= 1 and status["calls"][TEXT_ENCODER] >= 1, status["calls"]
+    assert f"; UNet in PyTorch ({owner})" in fast.infotexts[0], fast.infotexts[0]
+    matches(forge, f"{owner} on (its UNet calls in PyTorch)", stock, fast, status, MIN_F32_DB)
+
+
+def test_forges_integrated_controlnet_runs_the_unet_in_pytorch_and_names_it(forge: Forge) -> None:
+    """Forge's integrated ControlNet (``sd_forge_controlnet``) with the A1111 bed's random ControlNet on its full-size
+    SD 1.5 (ControlNet's layout fits nothing smaller): its residuals come into the UNet call, which then runs in
+    PyTorch with ControlNet named; the VAE and the text encoder stay in OpenVINO; the picture is stock Forge's with
+    the same unit, and that unit moves stock's picture."""
+    names = forge.get("/controlnet/model_list")["model_list"]
+    model = next((n for n in names if n.startswith("ovtest-controlnet-sd15")), None)
+    assert model is not None, f"the random ControlNet is not listed by Forge: {names} (rebuild: bash .ci/testbed)"
+    payload = request("a stone bridge over a river")
+    controlled = with_controlnet(payload, controlnet_unit(model, module="None", weight=1.5))
+    with on_checkpoint(forge, FULL_CHECKPOINT):
+        plain = forge.generate(fresh(payload))
+        stock, fast, status = stock_and_fast(forge, controlled)
+    moved = psnr(plain.images[0], stock.images[0])
+    forge.record("forge: stock with ControlNet against without", moved)
+    assert moved < MIN_F32_DB, moved
+    assert status["accelerated"], status["status"]
+    assert "Forge's integrated ControlNet" in status["pytorch"][UNET]["why"], status["pytorch"]
+    assert status["pytorch"][UNET]["calls"] == 3 and not status["calls"].get(UNET), status
+    assert status["calls"][VAE_DECODER] == 1 and status["calls"][TEXT_ENCODER] >= 1, status["calls"]
+    assert "; UNet in PyTorch (ControlNet)" in fast.infotexts[0], fast.infotexts[0]
+    matches(forge, "ControlNet on (UNet in PyTorch)", stock, fast, status, MIN_F32_DB)
 
 
 def test_interrupt_leaves_nothing_patched(forge: Forge) -> None:

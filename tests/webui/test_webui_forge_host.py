@@ -142,10 +142,13 @@ def test_unet_check_names_what_changes_the_unets_work() -> None:
     freeu = in_extension("sd_forge_freeu", "def output_block_patch(h, hsp, o):\n    return h, hsp\n",
                          "output_block_patch")
     options = dict(bookkeeping, patches={"output_block_patch": [freeu]})
-    assert forge_unet.unet_check(unet, (x,), {"transformer_options": options}) == (
-        "FreeU (output_block_patch) patch the UNet's blocks with Python code a compiled graph would not follow")
-    why = forge_unet.unet_check(unet, (x,), {"control": {"input": [x]}, "transformer_options": {}})
-    assert why == "Forge's integrated ControlNet adds its residuals inside the UNet"
+    why = forge_unet.unet_check(unet, (x,), {"transformer_options": options})
+    assert why == ("FreeU (output_block_patch) patch the UNet's blocks with Python code a compiled graph would not "
+                   "follow")
+    assert why.short == "FreeU"  # the infotext's note: "UNet in PyTorch (FreeU)"
+    why = forge_unet.unet_check(unet, (x,), {"control": {"input": [x]}, "transformer_options": options})
+    assert why.startswith("Forge's integrated ControlNet adds its residuals inside the UNet; FreeU") and \
+        why.short == "ControlNet + FreeU", why
     assert "inputs beyond its own (denoise_mask)" in forge_unet.unet_check(unet, (x,), {"denoise_mask": x})
     odd = forge_unet.unet_check(unet, (x,), {"transformer_options": {"block_modifiers": [lambda h, *a: h]}})
     assert "test_webui_forge_host.py" in odd and "(block_modifiers)" in odd, odd  # an unknown patch: where it is
