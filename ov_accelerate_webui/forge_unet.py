@@ -37,6 +37,10 @@ BOOKKEEPING: frozenset[str] = frozenset({
 #: Forge's hooks into its work.
 UNET_INPUTS: tuple[str, ...] = ("x", "timesteps", "context", "y")
 
+#: What Forge passes into a UNet call besides its inputs: its integrated ControlNet's residuals (``control``) and the
+#: ControlNet they came from (``control_model``, passed along by ``sampling_function``), and the patches' options.
+HOOKS: tuple[str, ...] = ("control", "control_model", "transformer_options")
+
 #: (where a patch's code lives, what Forge calls it), sorted: Forge's built-in UNet patches, by their folder or file.
 PATCH_OWNERS: tuple[tuple[str, str], ...] = (
     ("sd_forge_controlllite", "ControlLLLite"),
@@ -101,8 +105,7 @@ def unet_check(unet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         reasons.append(f"{'; '.join(text for _, text in patches)} patch the UNet's blocks with Python code a compiled "
                        "graph would not follow")
         names.extend(owner for owner, _ in patches if owner not in names)
-    extra = sorted(k for k, v in kwargs.items()
-                   if k not in (*UNET_INPUTS, "control", "transformer_options") and v is not None)
+    extra = sorted(k for k, v in kwargs.items() if k not in (*UNET_INPUTS, *HOOKS) and v is not None)
     if extra or len(args) > 4:
         reasons.append(f"the UNet got inputs beyond its own ({', '.join(extra) or 'positional'})")
         names.append("other inputs")

@@ -146,10 +146,13 @@ def test_unet_check_names_what_changes_the_unets_work() -> None:
     assert why == ("FreeU (output_block_patch) patch the UNet's blocks with Python code a compiled graph would not "
                    "follow")
     assert why.short == "FreeU"  # the infotext's note: "UNet in PyTorch (FreeU)"
-    why = forge_unet.unet_check(unet, (x,), {"control": {"input": [x]}, "transformer_options": options})
+    why = forge_unet.unet_check(unet, (x,), {"control": {"input": [x]}, "control_model": object(),
+                                             "transformer_options": options})
     assert why.startswith("Forge's integrated ControlNet adds its residuals inside the UNet; FreeU") and \
         why.short == "ControlNet + FreeU", why
     assert "inputs beyond its own (denoise_mask)" in forge_unet.unet_check(unet, (x,), {"denoise_mask": x})
+    # ControlNet's model passed along outside its guidance range (no residuals): the UNet's own work
+    assert forge_unet.unet_check(unet, (x,), {"control": None, "control_model": object()}) == ""
     odd = forge_unet.unet_check(unet, (x,), {"transformer_options": {"block_modifiers": [lambda h, *a: h]}})
     assert "test_webui_forge_host.py" in odd and "(block_modifiers)" in odd, odd  # an unknown patch: where it is
 
