@@ -7,6 +7,7 @@ it with ``backend.state_dict.load_state_dict``, which the loader calls by the na
 Forge's copy, the parameters of the part's routed modules are written one at a time from the state dict (safetensors
 maps the checkpoint file: its pages are the file's) into the weight file at the parameter's own precision, and become
 the part's parameters; their keys leave the state dict, so Forge copies the rest and does not list them as missing.
+Forge's ``Linear`` makes its weight only as it loads (:func:`lazy_layers`): it is given one first, to be written.
 Forge's copy of them (a full-size SDXL UNet at f32: 10.3 GB) is never in memory.
 
 When: acceleration is in use (:func:`.weights_at_load.in_use`: the last generation was accelerated, or *Enable for
@@ -21,6 +22,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch import nn
 
 from . import host
 from .backend_bridge import BackendUnavailable
@@ -61,12 +65,44 @@ def fill_component(extension: Any, component: Any, state_dict: dict[str, Any]) -
         missing = [path for path, module in modules if module is None]
         if missing:
             raise UnsupportedModel(f"{type(component).__name__} has no {', '.join(missing)}")
-        _result, keys = fill_modules(accelerator, weight_file, settings, loading_checkpoint(), modules, state_dict,
-                                     None, lambda _param: True, host.default_cache_dir(), requires_grad=False)
+        lazy = [item for path, module in modules for item in lazy_layers(module, path, state_dict)]
+        try:
+            _result, keys = fill_modules(accelerator, weight_file, settings, loading_checkpoint(), modules,
+                                         state_dict, None, lambda _param: True, host.default_cache_dir(),
+                                         requires_grad=False)
+        finally:
+            for layer, dummy in lazy:
+                if any(p.is_meta for p in layer.parameters(recurse=False)):  # not written: Forge's own load
+                    layer.weight = layer.bias = None
+                    layer.dummy = dummy
         return keys
     except (BackendUnavailable, UnsupportedModel, ValueError, OSError) as exc:
         logger.warning("Accelerate with OpenVINO: Forge's %s loads into memory as before: %s", part, exc)
         return []
+
+
+def lazy_layers(module: nn.Module, prefix: str, state_dict: dict[str, Any]) -> list[tuple[nn.Module, Any]]:
+    """Forge's ``Linear`` has no weight until its load: it holds a one-element ``dummy`` parameter (its precision)
+    and makes ``weight`` and ``bias`` from the state dict in ``_load_from_state_dict``. Each such layer under
+    ``module`` (keys under ``prefix``) gets them now, on the meta device at the dummy's precision, so that they are
+    written into the weight file as the other parameters are; its dummy goes, as Forge's load removes it. Returns
+    (layer, its dummy) of each, for the caller to put back where nothing was written."""
+    changed = []
+    for name, layer in module.named_modules():
+        dummy = layer._parameters.get("dummy")
+        if dummy is None or getattr(layer, "weight", None) is not None:
+            continue
+        key = ".".join(part for part in (prefix, name) if part)
+        shapes = {attr: state_dict[f"{key}.{attr}"].shape for attr in ("weight", "bias")
+                  if isinstance(state_dict.get(f"{key}.{attr}"), torch.Tensor)}
+        if "weight" not in shapes:
+            continue
+        for attr, shape in shapes.items():
+            empty = torch.empty(shape, dtype=dummy.dtype, device="meta")
+            setattr(layer, attr, nn.Parameter(empty, requires_grad=False))
+        del layer.dummy
+        changed.append((layer, dummy))
+    return changed
 
 
 def loading_checkpoint() -> str:

@@ -272,6 +272,28 @@ def test_forges_load_writes_the_routed_parts_into_the_file_and_leaves_the_rest_t
         missing, _unexpected = model.load_state_dict(sd, strict=False)
         missing_printed.append([k for k in missing if k not in ignore_errors])
 
+    class LazyLinear(nn.Module):
+        """Forge's ``operations.ForgeOperations.Linear``: no weight until its load, a ``dummy`` for its precision."""
+
+        def __init__(self, in_features: int, out_features: int) -> None:
+            super().__init__()
+            self.shape = (out_features, in_features)
+            self.dummy = nn.Parameter(torch.empty(1))
+            self.weight = None
+            self.bias = None
+
+        def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+            if hasattr(self, "dummy"):
+                for name in ("weight", "bias"):
+                    if prefix + name in state_dict:
+                        setattr(self, name, nn.Parameter(state_dict[prefix + name].to(self.dummy)))
+                del self.dummy
+            else:
+                super()._load_from_state_dict(state_dict, prefix, *args)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, self.weight, self.bias)
+
     loader = types.ModuleType("backend.loader")
     loader.load_state_dict = forge_load_state_dict
     monkeypatch.setitem(sys.modules, "backend.loader", loader)
@@ -281,11 +303,14 @@ def test_forges_load_writes_the_routed_parts_into_the_file_and_leaves_the_rest_t
     def load(part: str, seed: int) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         torch.manual_seed(seed)
         if part == "unet":
-            model = unet_class(nn.Conv2d(4, 8, 3), nn.GroupNorm(2, 8))
+            model = unet_class(nn.Conv2d(4, 8, 3), nn.GroupNorm(2, 8), LazyLinear(6, 8))
+            shapes = {**{k: v.shape for k, v in model.state_dict().items() if "dummy" not in k},
+                      "2.weight": (8, 6), "2.bias": (8,)}
         else:
             model = vae_class()
             model.decoder, model.encoder, model.quant_conv = nn.Conv2d(4, 3, 1), nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 1)
-        state_dict = {k: torch.randn_like(v).half() for k, v in model.state_dict().items()}
+            shapes = {k: v.shape for k, v in model.state_dict().items()}
+        state_dict = {k: torch.randn(shape).half() for k, shape in shapes.items()}
         want = {k: v.float() for k, v in state_dict.items()}
         loader.load_state_dict(model, state_dict, ignore_errors=["logit_scale"])
         return model, state_dict, want
@@ -295,6 +320,7 @@ def test_forges_load_writes_the_routed_parts_into_the_file_and_leaves_the_rest_t
     try:
         model, state_dict, want = load("unet", 1)  # acceleration not in use yet: Forge's own load
         assert state_dict.keys() == want.keys() and missing_printed[-1] == []
+        assert model.state_dict().keys() == want.keys()  # (the lazy layer made its weight and bias)
         assert all(torch.equal(p, want[k]) for k, p in model.state_dict().items())
 
         unet_only = dataclasses.replace(f32, vae=False, text_encoder=False)
@@ -302,10 +328,26 @@ def test_forges_load_writes_the_routed_parts_into_the_file_and_leaves_the_rest_t
         model, state_dict, want = load("unet", 2)
         weight_file = extension.accelerator().backends.weight_file(unet_only.backend_choice("unused"))
         assert not state_dict and missing_printed[-1] == []  # written into the file; not listed as missing
+        assert dict(model.named_parameters()).keys() == want.keys()  # the lazy layer's weight and bias too
+        assert torch.equal(model[2](torch.ones(1, 6)), nn.functional.linear(torch.ones(1, 6), want["2.weight"],
+                                                                              want["2.bias"]))
         for name, param in model.named_parameters():
             assert weight_file.holds(param) and param.dtype == torch.float32 and not param.requires_grad, name
             assert torch.equal(param, want[name]), name
         assert "straight into the weight file" in extension.accelerator().pop_load_notes()[-1]
+
+        def no_file(items: Any, wrap: Any = None) -> Any:
+            from ov_backend import MoveResult
+
+            result = MoveResult()
+            result.keep("no room on the disk (a stand-in)", 1)
+            return None, result
+
+        monkeypatch.setattr(weight_file, "fill", no_file)
+        model, state_dict, want = load("unet", 4)  # the file cannot be made: Forge's own load, the lazy layer too
+        assert state_dict.keys() == want.keys() and missing_printed[-1] == []
+        assert all(torch.equal(p, want[k]) for k, p in model.state_dict().items()) and not hasattr(model[2], "dummy")
+        monkeypatch.delattr(weight_file, "fill")
 
         vae, state_dict, want = load("vae", 3)  # not routed: Forge loads it
         assert state_dict.keys() == want.keys()
