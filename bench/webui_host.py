@@ -204,7 +204,12 @@ class BenchForge(BenchWebUI, Forge):
                    "send_images": False}
         # stock (with *Enable for every generation* on, the load still writes the weight file)
         payload["alwayson_scripts"] = {SECTION_NAME: {"args": [False]}}
-        self.generate(payload)
+        try:
+            self.generate(payload)
+        except OSError as exc:  # the connection dropped: Forge was killed as it loaded (e.g. under a memory limit)
+            code = self.process.wait(timeout=30) if self.process is not None else None
+            raise RuntimeError(f"the WebUI exited with {code}: killed while it loaded {self.checkpoint} ({exc})") \
+                from exc
         logger.info("Forge loaded %s at its first generation in %.1f s", self.checkpoint, time.time() - t0)
 
 
