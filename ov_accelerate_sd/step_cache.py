@@ -99,12 +99,15 @@ class UNetSplit(torch.nn.Module):
         self.kind = type(unet).__name__
 
     def check_depth(self, inputs: int, outputs: int) -> None:
+        """Check that the UNet has one skip per output layer and that :attr:`depth` fits it; records
+        :attr:`layers`."""
         if inputs != outputs:
             raise StepCacheUnsupported(f"{self.kind} has {inputs} input and {outputs} output blocks: "
                                        "step caching needs one skip connection per output block")
         if not 1 <= self.depth < inputs:
             raise StepCacheUnsupported(f"step caching depth {self.depth} does not fit {self.kind}: "
                                        f"its input blocks are 1 to {inputs - 1} deep")
+        self._layers = inputs
 
     # the UNet kind's own parts
     def begin(self, unet: Any, x: torch.Tensor, timesteps: Any, context: Any,
@@ -127,7 +130,8 @@ class UNetSplit(torch.nn.Module):
 
     @property
     def layers(self) -> int:
-        raise NotImplementedError
+        """How many input (and output) layers the UNet has (set by :meth:`check_depth`)."""
+        return self._layers
 
     # the two methods a backend compiles
     def full(self, unet: Any, x: torch.Tensor, timesteps: Any = None, context: Any = None,
@@ -182,11 +186,6 @@ class LdmSplit(UNetSplit):
             raise StepCacheUnsupported(f"{type(unet).__name__} is not LDM/SGM's UNetModel (its module "
                                        f"{self.source_module.__name__} has no {' or '.join(missing)}): step caching "
                                        "does not split it")
-        self._layers = len(unet.input_blocks)
-
-    @property
-    def layers(self) -> int:
-        return self._layers
 
     def begin(self, unet: Any, x: torch.Tensor, timesteps: Any, context: Any,
               kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -242,10 +241,6 @@ class DiffusersSplit(UNetSplit):
                 self._inputs.append((b, -1))
         self._outputs = [(b, i) for b, block in enumerate(unet.up_blocks) for i in range(len(block.resnets))]
         self.check_depth(len(self._inputs), len(self._outputs))
-
-    @property
-    def layers(self) -> int:
-        return len(self._inputs)
 
     def begin(self, unet: Any, x: torch.Tensor, timesteps: Any, context: Any,
               kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:

@@ -164,11 +164,6 @@ class ForgeSplit(UNetSplit):
             if taken is not None and not set(wanted) <= taken:
                 raise StepCacheUnsupported(f"{type(unet).__name__}'s blocks ({type(blocks[0]).__name__}) do not take "
                                            f"{' and '.join(wanted)} as Forge's do: step caching does not split it")
-        self._layers = len(unet.input_blocks)
-
-    @property
-    def layers(self) -> int:
-        return self._layers
 
     def begin(self, unet: Any, x: torch.Tensor, timesteps: Any, context: Any,
               kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
