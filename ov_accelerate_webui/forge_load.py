@@ -29,7 +29,7 @@ from torch import nn
 from . import host
 from .backend_bridge import BackendUnavailable
 from .model_parts import UnsupportedModel, lookup
-from .weights_at_load import fill_modules, in_use
+from .weights_at_load import fill_modules, in_use, wrap_loader
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,6 @@ COMPONENTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("IntegratedCLIP", "text_encoder", ("transformer.text_model.encoder",)),
     ("IntegratedUNet2DConditionModel", "unet", ("",)),
 )
-
-#: Marks our wrapper of Forge's ``load_state_dict`` (its original under this name).
-_OURS = "_ov_accelerate_forge_load_hook"
 
 
 def fill_component(extension: Any, component: Any, state_dict: dict[str, Any]) -> list[str]:
@@ -116,25 +113,15 @@ def loading_checkpoint() -> str:
 def install(extension: Any) -> Callable[[], None] | None:
     """Wrap the ``load_state_dict`` Forge's loader calls (:func:`fill_component` first). Returns the function that
     takes the wrapper out again (on script unload); None where Forge's loader is not imported."""
-    loader = host.imported_module("backend.loader")
-    original = getattr(loader, "load_state_dict", None) if loader is not None else None
-    if original is None:
-        return None
-    while getattr(original, _OURS, None) is not None:  # a previous load of this script left its own (reload)
-        original = getattr(original, _OURS)
 
-    def load_state_dict(model: Any, sd: Any, *args: Any, **kwargs: Any) -> Any:
-        filled = fill_component(extension, model, sd)
-        if filled:
-            ignored = list(args[0] if args else kwargs.get("ignore_errors") or [])
-            args, kwargs = args[1:], dict(kwargs, ignore_errors=[*ignored, *filled])
-        return original(model, sd, *args, **kwargs)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def load_state_dict(model: Any, sd: Any, *args: Any, **kwargs: Any) -> Any:
+            filled = fill_component(extension, model, sd)
+            if filled:
+                ignored = list(args[0] if args else kwargs.get("ignore_errors") or [])
+                args, kwargs = args[1:], dict(kwargs, ignore_errors=[*ignored, *filled])
+            return original(model, sd, *args, **kwargs)
 
-    setattr(load_state_dict, _OURS, original)
-    loader.load_state_dict = load_state_dict
+        return load_state_dict
 
-    def uninstall() -> None:
-        if getattr(loader, "load_state_dict", None) is load_state_dict:
-            loader.load_state_dict = original
-
-    return uninstall
+    return wrap_loader(host.imported_module("backend.loader"), "load_state_dict", make)

@@ -181,7 +181,7 @@ def move_weights(accelerator: Accelerator, model: Any, settings: AccelerateSetti
     return result
 
 
-#: Marks our wrapper of ``modules.sd_models.load_model_weights``.
+#: Marks our wrappers of the WebUIs' loaders (``modules.sd_models.load_model_weights``, Forge's ``load_state_dict``).
 _OURS = "_ov_accelerate_load_hook"
 
 
@@ -191,12 +191,34 @@ def install(extension: Any) -> Callable[[], None] | None:
     (:func:`fill_weights`) instead of into A1111's f32 model and then the file. Returns the function
     that takes the wrapper out again (on script unload); None where there is no ``sd_models``. ``extension``: the
     extension (its accelerator, made or not, for :func:`in_use`)."""
-    sd_models = host.sd_models()
-    original = getattr(sd_models, "load_model_weights", None)
+    return wrap_loader(host.sd_models(), "load_model_weights",
+                       lambda original: _load_model_weights(extension, original))
+
+
+def wrap_loader(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]],
+                ) -> Callable[[], None] | None:
+    """Put ``make(original)`` in place of ``owner.name`` (a WebUI's loader function; the original is the WebUI's own,
+    not a wrapper a previous load of this script left there). Returns what puts the original back (if the wrapper is
+    still there); None where ``owner`` has no ``name``."""
+    original = getattr(owner, name, None) if owner is not None else None
     if original is None:
         return None
     while getattr(original, _OURS, None) is not None:  # a previous load of this script left its own (reload)
         original = getattr(original, _OURS)
+    wrapper = make(original)
+    setattr(wrapper, _OURS, original)
+    setattr(owner, name, wrapper)
+
+    def uninstall() -> None:
+        if getattr(owner, name, None) is wrapper:
+            setattr(owner, name, original)
+
+    return uninstall
+
+
+def _load_model_weights(extension: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A1111's ``load_model_weights`` with the routed parts' weights written into the weight file (see
+    :func:`install`)."""
 
     def load_model_weights(model: Any, checkpoint_info: Any, *args: Any, **kwargs: Any) -> Any:
         state_dict = args[0] if args else kwargs.get("state_dict")
@@ -221,14 +243,7 @@ def install(extension: Any) -> Callable[[], None] | None:
         finally:
             model.__dict__.pop("load_state_dict", None)
 
-    setattr(load_model_weights, _OURS, original)
-    sd_models.load_model_weights = load_model_weights
-
-    def uninstall() -> None:
-        if getattr(sd_models, "load_model_weights", None) is load_model_weights:
-            sd_models.load_model_weights = original
-
-    return uninstall
+    return load_model_weights
 
 
 def warn_if_short(checkpoint_info: Any, state_dict: dict[str, Any], precision_change: str | None,
