@@ -125,8 +125,20 @@ def run_cli(mode: str, lines: list[dict[str, Any]], checkpoint: Path, work: Path
             shutil.rmtree(ray_temp, ignore_errors=True)
     if proc.returncode != 0:
         return {"mode": mode, "error": f"exit code {proc.returncode}: {stderr[-2000:]}"}
+    images = sorted(str(p) for p in out.glob("*.png"))
     return {"mode": mode, "seconds": round(time.perf_counter() - began, 1), "came": came, "memory_gib": peak,
-            "images": sorted(str(p) for p in out.glob("*.png"))}
+            "images": images, "sha256": files_digest(images)}
+
+
+def files_digest(paths: Sequence[str]) -> str:
+    """One SHA-256 over the files' bytes, in order (the PNGs, their infotext included): two runs that made the same
+    files, by another commit say, give the same digest."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def run_webui(mode: str, lines: list[dict[str, Any]], testbed: Path, work: Path) -> dict[str, Any]:
@@ -211,15 +223,17 @@ def markdown(results: dict[str, Any]) -> str:
              f"1000..., precision {s['precision']}, model {s['model']}; the command-line modes share one disk "
              "cache, cold for the first of them; the WebUI modes start with a cold one of their own",
              "", "| mode | seconds | images/min (whole job) | first image (s) | images/min after the first round | "
-             "memory in use, peak (GiB) | PSNR vs cli (dB, lowest) |", "|---|---|---|---|---|---|---|"]
+             "memory in use, peak (GiB) | PSNR vs cli (dB, lowest) | PNG files' SHA-256 |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         if "error" in row:
-            lines.append(f"| {row['mode']} | error: {row['error'][:200]} | | | | | |")
+            lines.append(f"| {row['mode']} | error: {row['error'][:200]} | | | | | | |")
             continue
         lines.append(f"| {row['mode']} | {row['seconds']} | {row['per_minute']} | {row['first_image_seconds']} | "
                      f"{row['per_minute_after_first']} | {row['memory_gib']}"
                      + (f" (WebUI VmHWM {row['webui_peak_rss_gib']})" if "webui_peak_rss_gib" in row else "")
-                     + f" | {'identical pixels' if row.get('identical_to_cli') else row.get('psnr_vs_cli', '-')} |")
+                     + f" | {'identical pixels' if row.get('identical_to_cli') else row.get('psnr_vs_cli', '-')} | "
+                     f"{row.get('sha256', '-')} |")
     if results.get("note"):
         lines += ["", f"Note: {results['note']}"]
     return "\n".join(lines) + "\n"

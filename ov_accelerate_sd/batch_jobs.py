@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,9 @@ from typing import Any
 
 from ov_backend.precision import PRECISIONS
 
-logger = logging.getLogger(__name__)
+from .rules import MIN_SIZE, check_fields
 
-MAX_SEED = 2**32 - 1
-MIN_SIZE = 64
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,8 +43,8 @@ JOB_FIELDS: dict[str, FieldSpec] = {
     "prompt": FieldSpec("text", "--prompt", "the prompt (WebUI syntax); required unless --prompt gives one"),
     "negative_prompt": FieldSpec("text", "--negative-prompt", "the negative prompt"),
     "seed": FieldSpec("integer", "--seed", "-1: random (drawn once, kept in the manifest); image i gets seed + i"),
-    "width": FieldSpec("integer", "--width", "a multiple of 8, at least 64"),
-    "height": FieldSpec("integer", "--height", "a multiple of 8, at least 64"),
+    "width": FieldSpec("integer", "--width", f"a multiple of 8, at least {MIN_SIZE}"),
+    "height": FieldSpec("integer", "--height", f"a multiple of 8, at least {MIN_SIZE}"),
     "steps": FieldSpec("integer", "--steps", "sampling steps, at least 1"),
     "sampler": FieldSpec("text", "--sampler", "a WebUI sampler name, e.g. 'DPM++ 2M Karras'"),
     "cfg_scale": FieldSpec("number", "--cfg-scale", "classifier-free guidance scale, >= 0"),
@@ -139,27 +137,6 @@ def _typed(name: str, value: Any) -> Any:
     return float(value)
 
 
-def _check(fields: dict[str, Any], sampler_name: Callable[[str], str]) -> None:
-    """Range checks of resolved fields, in place (the sampler takes its canonical name)."""
-    if not fields["prompt"].strip():
-        raise ValueError("prompt is empty: give \"prompt\" in the line (or --prompt for every line)")
-    for name in ("width", "height"):
-        if fields[name] < MIN_SIZE or fields[name] % 8:
-            raise ValueError(f"{name} {fields[name]} must be a multiple of 8 and at least {MIN_SIZE} (e.g. 512)")
-    for name in ("steps", "batch_size", "batch_count", "step_cache", "clip_skip"):
-        if fields[name] < 1:
-            raise ValueError(f"{name} must be at least 1, got {fields[name]}")
-    if not (math.isfinite(fields["cfg_scale"]) and fields["cfg_scale"] >= 0):
-        raise ValueError(f"cfg_scale must be a finite number >= 0, got {fields['cfg_scale']}")
-    if not 0.0 < fields["denoising_strength"] <= 1.0:
-        raise ValueError(f"denoising_strength must be in (0, 1], got {fields['denoising_strength']}")
-    if not -1 <= fields["seed"] <= MAX_SEED:
-        raise ValueError(f"seed must be -1 (random) or in 0..{MAX_SEED}, got {fields['seed']}")
-    if fields["precision"] not in PRECISIONS:
-        raise ValueError(f"unknown precision {fields['precision']!r}; valid: {', '.join(PRECISIONS)}")
-    fields["sampler"] = sampler_name(fields["sampler"])
-
-
 def _path(value: str, base: Path, name: str, check: Callable[[Path], str | None]) -> str:
     """An absolute path for ``value`` (relative to ``base``), or ValueError when ``check`` finds a problem."""
     path = Path(value).expanduser()
@@ -179,6 +156,7 @@ def resolve_line(
     sampler_name: Callable[[str], str],
     checkpoint_problem: Callable[[Path], str | None],
     image_problem: Callable[[Path], str | None],
+    require_prompt: bool = True,
 ) -> JobLine:
     """One line from its own values over the defaults.
 
@@ -190,6 +168,8 @@ def resolve_line(
         sampler_name: a sampler's canonical name, or ValueError naming the valid ones.
         checkpoint_problem: why a checkpoint path cannot load, or None.
         image_problem: why an init image cannot be read, or None.
+        require_prompt: refuse an empty prompt (a job file's line without one is a mistake; ``generate``'s
+            ``--prompt ""`` renders the unconditional picture, as the WebUI does).
 
     Raises:
         ValueError: what is wrong with the line and what would be right.
@@ -203,8 +183,9 @@ def resolve_line(
             fields[name] = _path(fields[name], base, name,
                                  checkpoint_problem if name == "checkpoint" else image_problem)
     resolved = {**defaults, **fields}
-    _check(resolved, sampler_name)
-    return JobLine(number=number, **resolved)
+    if require_prompt and not resolved["prompt"].strip():
+        raise ValueError("prompt is empty: give \"prompt\" in the line (or --prompt for every line)")
+    return JobLine(number=number, **check_fields(resolved, sampler_name))
 
 
 def read_job_lines(

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .batch_jobs import MAX_SEED, JobLine
+from .batch_jobs import JobLine
+from .rules import MAX_SEED
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -27,70 +25,30 @@ from ov_backend.cache_limit import DEFAULT_CACHE_MAX_BYTES
 from ov_backend.files import format_bytes
 from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS
 
+from .console import out
 from .parts import PARTS
+from .rules import option
 
 logger = logging.getLogger(__name__)
 
-EXIT_INTERRUPTED = 130
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.I)
 
 
-def _out(text: str) -> None:
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-
-
-def _err(text: str) -> None:
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-
-
-def _integer(text: str) -> int:
+def _count(text: str) -> int:
+    """A count of workers or CPUs: a whole number, at least 1."""
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def _multiple_of_8(text: str) -> int:
-    value = _integer(text)
-    if value < 64 or value % 8:
-        raise argparse.ArgumentTypeError(f"{value} must be a multiple of 8 and at least 64 (e.g. 512, 768)")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
-def _strength(text: str) -> float:
-    value = _number(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
-    return value
-
-
-def _cfg_scale(text: str) -> float:
-    value = _number(text)
-    if not (math.isfinite(value) and value >= 0.0):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0 (e.g. 7)")
     return value
 
 
 def _workers(text: str) -> str:
     if text.strip().lower() == "auto":
         return "auto"
-    return str(_positive(text))
+    return str(_count(text))
 
 
 def parse_size(text: str) -> int:
@@ -106,23 +64,23 @@ def _add_render_options(gen: argparse.ArgumentParser, out_default: Path | None) 
     """The options ``generate`` and ``batch`` share (for ``batch``, each is the default of a job line's field)."""
     gen.add_argument("--vae", type=Path, help="separate VAE file replacing the checkpoint's")
     gen.add_argument("--negative-prompt", default="", help="what to steer away from (WebUI syntax; default: none)")
-    gen.add_argument("--steps", type=_positive, default=None, help="sampling steps (default 20; demo 8)")
-    gen.add_argument("--cfg-scale", type=_cfg_scale, default=7.0,
+    gen.add_argument("--steps", type=option("steps"), default=None, help="sampling steps (default 20; demo 8)")
+    gen.add_argument("--cfg-scale", type=option("cfg_scale", float), default=7.0,
                      help="classifier-free guidance scale, >= 0, as in the WebUI: "
                           "uncond + cfg * (cond - uncond); 0: negative prompt only, 1: prompt only (default 7)")
     gen.add_argument("--sampler", default="Euler a", help="WebUI sampler name, e.g. 'DPM++ 2M Karras' "
                      "(default 'Euler a')")
-    gen.add_argument("--width", type=_multiple_of_8, default=None, help="multiple of 8 (default 512; demo 128)")
-    gen.add_argument("--height", type=_multiple_of_8, default=None, help="multiple of 8 (default 512; demo 128)")
-    gen.add_argument("--seed", type=int, default=-1, help="-1: random; image i of a job gets seed + i")
-    gen.add_argument("--batch-size", type=_positive, default=1,
+    gen.add_argument("--width", type=option("width"), default=None, help="multiple of 8 (default 512; demo 128)")
+    gen.add_argument("--height", type=option("height"), default=None, help="multiple of 8 (default 512; demo 128)")
+    gen.add_argument("--seed", type=option("seed"), default=-1, help="-1: random; image i of a job gets seed + i")
+    gen.add_argument("--batch-size", type=option("batch_size"), default=1,
                      help="images rendered together in one batch (default 1)")
-    gen.add_argument("--batch-count", type=_positive, default=1,
+    gen.add_argument("--batch-count", type=option("batch_count"), default=1,
                      help="batches rendered one after the other for each prompt (default 1)")
     gen.add_argument("--init-image", type=Path, help="img2img: start from this image")
-    gen.add_argument("--denoising-strength", type=_strength, default=0.75,
+    gen.add_argument("--denoising-strength", type=option("denoising_strength", float), default=0.75,
                      help="img2img: how much of the init image is redrawn, in (0, 1] (default 0.75)")
-    gen.add_argument("--clip-skip", type=_positive, default=1,
+    gen.add_argument("--clip-skip", type=option("clip_skip"), default=1,
                      help="stop the text encoder this many layers before its last, as the WebUI's "
                           "'Clip skip' (default 1: the last layer)")
     gen.add_argument("--lora-dir", action="append", type=Path, default=[], metavar="DIR",
@@ -142,15 +100,15 @@ def _add_render_options(gen: argparse.ArgumentParser, out_default: Path | None) 
                           f"{format_bytes(DEFAULT_CACHE_MAX_BYTES)})")
     gen.add_argument("--pytorch", action="append", choices=PARTS, default=[], metavar="PART",
                      help=f"leave this part in PyTorch (repeatable; one of {', '.join(PARTS)})")
-    gen.add_argument("--step-cache", type=_positive, default=1, metavar="N",
+    gen.add_argument("--step-cache", type=option("step_cache"), default=1, metavar="N",
                      help="step caching (DeepCache): the full UNet every N sampler steps, only its shallow blocks on "
                           "the steps between (faster; the picture differs a little: docs/step-cache.md). "
                           "Default 1: off")
-    gen.add_argument("--step-cache-depth", type=_positive, default=2, metavar="D",
+    gen.add_argument("--step-cache-depth", type=option("step_cache_depth"), default=2, metavar="D",
                      help="input blocks (and as many output blocks) a shallow step runs (default 2)")
-    gen.add_argument("--step-cache-start", type=_positive, default=2, metavar="K",
+    gen.add_argument("--step-cache-start", type=option("step_cache_start"), default=2, metavar="K",
                      help="sampler steps at the start that always run the full UNet (default 2)")
-    gen.add_argument("--step-cache-end", type=_integer, default=1, metavar="K",
+    gen.add_argument("--step-cache-end", type=option("step_cache_end"), default=1, metavar="K",
                      help="sampler steps at the end that always run the full UNet (default 1)")
     if out_default is not None:
         gen.add_argument("--out", type=Path, default=out_default,
@@ -209,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--ray", metavar="ADDRESS",
                        help="render on the workers of a Ray cluster: 'auto' (the one started on this machine with "
                             "'ray start --head'), or its address; needs the optional extra requirements-ray.txt")
-    batch.add_argument("--ray-cpus-per-worker", type=_positive, default=4, metavar="N",
-                       help="with --ray: the CPUs each worker takes (and OpenVINO's threads in it; default 4)")
+    batch.add_argument("--ray-cpus-per-worker", type=_count, default=None, metavar="N",
+                       help="with --ray: the CPUs each worker takes (and OpenVINO's threads in it; default: up to 4, "
+                            "fewer when no node has 4)")
     _add_render_options(batch, None)
 
     devices = commands.add_parser("devices", help="the devices OpenVINO sees, with full names and capabilities")
@@ -253,7 +212,7 @@ def _demo(parser: argparse.ArgumentParser, args: Any) -> int:
     from ov_backend.demo import run_demo
 
     try:
-        run_demo(args.device, _out, verbose=args.verbose)
+        run_demo(args.device, out, verbose=args.verbose)
     except ValueError as exc:
         parser.error(str(exc))
     return 0
@@ -264,7 +223,7 @@ def _devices(parser: argparse.ArgumentParser, args: Any) -> int:
 
     for info in device_info():
         caps = ", ".join(info.capabilities) or "-"
-        _out(f"{info.name:10} {info.full_name}  [{caps}]")
+        out(f"{info.name:10} {info.full_name}  [{caps}]")
     return 0
 
 
@@ -284,38 +243,17 @@ def _cache(parser: argparse.ArgumentParser, args: Any) -> int:
         entries = cache.entries()
         for entry in entries:
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
-            _out(f"{entry.key}  {format_bytes(entry.size_bytes):>10}  {used}  {entry.description}")
-        _out(f"{len(entries)} entries, {format_bytes(sum(e.size_bytes for e in entries))} in {folder}")
+            out(f"{entry.key}  {format_bytes(entry.size_bytes):>10}  {used}  {entry.description}")
+        out(f"{len(entries)} entries, {format_bytes(sum(e.size_bytes for e in entries))} in {folder}")
     elif args.action == "clear":
         unknown = sorted(set(args.keys) - {entry.key for entry in cache.entries()})
         if unknown:
             parser.error(f"no cache entries named {', '.join(unknown)} in {folder} "
                          "('cache list' shows the keys; nothing was removed)")
         removed = cache.clear(args.keys or None)
-        _out(f"removed {len(removed)} entries from {folder}")
+        out(f"removed {len(removed)} entries from {folder}")
     else:
         removed = cache.prune(args.max_size)
         left = format_bytes(sum(e.size_bytes for e in cache.entries()))
-        _out(f"removed {len(removed)} entries; {left} left in {folder}")
+        out(f"removed {len(removed)} entries; {left} left in {folder}")
     return 0
-
-
-class StopRequest:
-    """SIGINT handler: the first Ctrl-C asks to stop after the current step, the second aborts."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        _err("\nstopping after the current step (Ctrl-C again to abort)")
-
-    def __enter__(self) -> StopRequest:
-        self._previous = signal.signal(signal.SIGINT, self)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        signal.signal(signal.SIGINT, self._previous)

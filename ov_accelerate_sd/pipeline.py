@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import random
 import time
@@ -31,12 +30,12 @@ from .loader import Components
 from .noise import ImageNoise, image_seeds
 from .pnginfo import format_infotext
 from .prompts import PromptEncoder
+from .rules import MAX_SEED, check_fields
 from .samplers import img2img_strength, initial_latents, make_scheduler, sampler_spec
 from .step_cache import StepCacheRun
 
 logger = logging.getLogger(__name__)
 
-MAX_SEED = 2**32 - 1
 StepCallback = Callable[[int, int], None]
 
 
@@ -102,19 +101,7 @@ class GenerationJob:
             ValueError: what is wrong and what would be right.
         """
         sampler_spec(self.sampler)
-        for name in ("width", "height"):
-            value = getattr(self, name)
-            if value < 8 or value % 8:
-                raise ValueError(f"{name} must be a positive multiple of 8, got {value}")
-        for name in ("steps", "batch_size", "batch_count", "clip_skip"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not (math.isfinite(self.cfg_scale) and self.cfg_scale >= 0.0):
-            raise ValueError(f"CFG scale must be a finite number >= 0, got {self.cfg_scale}")
-        if not 0.0 < self.denoising_strength <= 1.0:
-            raise ValueError(f"denoising strength must be in (0, 1], got {self.denoising_strength}")
-        if not -1 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be -1 (random) or in 0..{MAX_SEED}, got {self.seed}")
+        check_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         seed = self.seed if self.seed != -1 else random.randrange(MAX_SEED)
         return dataclasses.replace(self, seed=seed)
 

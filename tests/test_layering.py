@@ -72,3 +72,33 @@ def test_only_the_cluster_module_imports_ray():
     users = {path for package in ("ov_backend", "ov_accelerate_sd", "ov_accelerate_webui")
              for path, names in _imports(package).items() if "ray" in names}
     assert users == {"ov_accelerate_sd/batch_ray.py"}
+
+
+def _sibling_imports(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the modules of the package it imports (at the top or inside a function)."""
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / package).glob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        graph[path.stem] = names
+    return graph
+
+
+def test_the_sd_layers_modules_import_each_other_in_no_cycle():
+    """The command line's modules do not import each other (``cli`` and the commands share ``console``)."""
+    graph = _sibling_imports("ov_accelerate_sd")
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for other in sorted(graph.get(module, ())):
+            assert state.get(other) != 1, " -> ".join([*path, module, other])
+            if other in graph and other not in state:
+                walk(other, [*path, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [])

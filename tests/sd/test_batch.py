@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ov_accelerate_sd.batch_command import Progress
 from ov_accelerate_sd.batch_manifest import MANIFEST, Manifest, ManifestError
 from ov_accelerate_sd.cli import main
 from ov_accelerate_sd.pnginfo import parse_infotext, read_png_infotext
+from ov_accelerate_sd.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")
@@ -260,7 +260,7 @@ def test_a_batch_rendered_first_calibrates_on_the_jobs_first_batch_of_its_graph(
     render: its LoRA is missing, so it calibrates nothing), finds line 2 to be the first batch of line 3's graph,
     samples it to calibrate, and makes line 3's image of a run in the job's order."""
     from ov_accelerate_sd.batch_jobs import JobLine
-    from ov_accelerate_sd.batch_render import BatchRenderer, RenderOptions
+    from ov_accelerate_sd.render import Renderer, RenderOptions, RenderTask, tasks_of
 
     def line(number: int, prompt: str, width: int) -> JobLine:
         return JobLine(number=number, prompt=prompt, negative_prompt="", seed=number, width=width, height=64, steps=3,
@@ -268,14 +268,14 @@ def test_a_batch_rendered_first_calibrates_on_the_jobs_first_batch_of_its_graph(
                        precision="int8", step_cache=1, init_image="", denoising_strength=0.75, clip_skip=1)
 
     lines = [line(1, "a barn <lora:missing:1>", 96), line(2, "a red barn", 64), line(3, "a blue boat", 64)]
-    order = tuple((one, one.seed) for one in lines)
+    order = tasks_of((one, one.seed) for one in lines)
     said: list[str] = []
 
     def images(tasks: list[JobLine], cache: str) -> list[bytes]:
-        renderer = BatchRenderer(RenderOptions(cache_dir=str(tmp_path / cache), lora_dirs=(str(tmp_path),),
+        renderer = Renderer(RenderOptions(cache_dir=str(tmp_path / cache), lora_dirs=(str(tmp_path),),
                                                order=order), said.append)
         try:
-            return [item.image.tobytes() for one in tasks for item in renderer.render(one, one.seed, 0)]
+            return [item.image.tobytes() for one in tasks for item in renderer.render(RenderTask(one, one.seed, 0))]
         finally:
             renderer.close()
 
@@ -480,10 +480,12 @@ def test_two_workers_with_one_killed_mid_job_make_every_image_once(one_go: tuple
                                                                    sd1_checkpoint: Path, tmp_path: Path) -> None:
     reference, cache = one_go
     out = tmp_path / "out"
-    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--workers", "2")
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--workers", "2", verbose=True)
     _, stdout, stderr = kill_a_worker_at_the_first_image(proc, lambda: worker_pids(proc.pid))
     assert proc.returncode == 0, stderr
     assert "2 workers (2 requested)" in stdout
+    # -v: each worker's compile reports, named by worker (the driver renders nothing itself)
+    assert any(row.startswith("worker ") and "partition" in row.lower() for row in stderr.splitlines()), stderr
     assert "a worker process ended unexpectedly" in stdout and "go to new workers" in stdout
     made = pngs(out)
     expected = pngs(reference)
@@ -543,7 +545,7 @@ def test_ctrl_c_stops_the_workers_and_keeps_what_was_saved(
 
 
 def test_workers_are_planned_from_the_cores_and_the_memory() -> None:
-    from ov_accelerate_sd.batch_workers import plan_workers
+    from ov_accelerate_sd.pool import plan_workers
 
     gib = 1 << 30
     plan = plan_workers(2, 5 * gib, 24 * gib, [0, 1], batches=10)
@@ -561,18 +563,36 @@ def test_workers_are_planned_from_the_cores_and_the_memory() -> None:
 
 
 
+def test_a_clusters_workers_are_planned_from_its_nodes_by_the_same_planner() -> None:
+    """Without --ray-cpus-per-worker a worker takes up to 4 CPUs, fewer when no node has 4: a 2-CPU head runs one
+    worker of 2 (it was refused, asking 4); a worker's CPUs are on one node."""
+    from ov_accelerate_sd.pool import plan_workers
+
+    gib = 1 << 30
+    head = plan_workers(None, gib, 24 * gib, [0, 1], batches=10, nodes=[2])
+    assert head.workers == 1 and head.cores_per_worker == 2 and "chosen from the nodes" in head.reason
+    two = plan_workers(None, gib, 24 * gib, list(range(12)), batches=10, nodes=[8, 4])
+    assert two.workers == 3 and two.cores_per_worker == 4
+    assert plan_workers(None, gib, 24 * gib, [0, 1], batches=10, nodes=[2], cores_per_worker=1).workers == 2
+    assert plan_workers(None, 5 * gib, 6 * gib, list(range(8)), batches=10, nodes=[8]).workers == 1  # memory for 1
+    with pytest.raises(ValueError, match=r"a worker needs 4 CPU\(s\) on one node"):
+        plan_workers(None, gib, 24 * gib, [0, 1, 2, 3], batches=10, nodes=[2, 2], cores_per_worker=4)
+    with pytest.raises(ValueError, match=r"--workers 3: the cluster holds 2 worker\(s\) of 1 CPU"):
+        plan_workers(3, gib, 24 * gib, [0, 1], batches=10, nodes=[2], cores_per_worker=1)
+
+
 def test_a_workers_memory_estimate_covers_the_measured_peaks(monkeypatch) -> None:
     """The estimate a plan refuses an N by holds the peaks measured on full-size SD 1.5: 5.65 GiB a worker at f32,
     9.3 at INT8 (NNCF's quantization; bench/results/batch-sd15-identical-f32-zen4-2026-11-28.md,
     batch-sd15-int8-zen4-2026-11-28.md)."""
-    from ov_accelerate_sd import batch_workers
+    from ov_accelerate_sd import pool
 
     sd15_parameters = 859_520_964 + 83_653_863 + 123_060_480  # UNet, VAE, text encoder
-    monkeypatch.setattr(batch_workers, "checkpoint_parameters", lambda path: sd15_parameters)
+    monkeypatch.setattr(pool, "checkpoint_parameters", lambda path: sd15_parameters)
     gib = 1 << 30
-    assert batch_workers.worker_bytes([("sd15.safetensors", "f32")]) > 5.65 * gib
-    assert batch_workers.worker_bytes([("sd15.safetensors", "int8")]) > 9.3 * gib
-    assert batch_workers.worker_bytes([("sd15.safetensors", "f32"), ("sd15.safetensors", "int8")]) > 9.3 * gib
+    assert pool.worker_bytes([("sd15.safetensors", "f32")]) > 5.65 * gib
+    assert pool.worker_bytes([("sd15.safetensors", "int8")]) > 9.3 * gib
+    assert pool.worker_bytes([("sd15.safetensors", "f32"), ("sd15.safetensors", "int8")]) > 9.3 * gib
 
 
 def _free_port() -> int:
@@ -720,10 +740,11 @@ def test_ctrl_c_on_a_ray_job_stops_its_workers_and_keeps_what_was_saved(
     _, cache = one_go
     address, auth = cluster
     out = tmp_path / "out"
-    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--ray", address,
-                 "--ray-cpus-per-worker", "1", **auth)
+    # no --ray-cpus-per-worker: the 2-CPU cluster runs one worker of its 2 CPUs (the default asked 4 and was refused)
+    proc = batch(str(mixed_job), *job_options(mixed_job, sd1_checkpoint, cache, out), "--ray", address, **auth)
     workers, stdout, stderr = ctrl_c_at_the_first_image(proc, ray_workers)
     assert_stopped_cleanly(out, stdout, stderr, proc.returncode)
+    assert f"Ray cluster at {address}: 2 CPU(s), 1 worker(s) of 2 CPU(s) (chosen from the nodes)" in stdout
     assert workers and gone(workers), workers  # Ray ends the job's actors once its driver has gone
 
 

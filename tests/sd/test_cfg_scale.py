@@ -57,5 +57,5 @@ def test_cfg_follows_the_webui_formula_below_and_above_1(sd1: Generator, mode: s
 
 @pytest.mark.parametrize("cfg", [-1.0, float("nan"), float("inf")])
 def test_cfg_must_be_finite_and_not_negative(cfg: float) -> None:
-    with pytest.raises(ValueError, match="CFG scale must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"cfg_scale \S+ must be a finite number >= 0"):
         GenerationJob(prompt="x", cfg_scale=cfg).validated()

@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from ov_accelerate_sd.cli import build_parser, main, parse_size
-from ov_accelerate_sd.generate_command import RunTimes
 from ov_accelerate_sd.pnginfo import parse_infotext, read_png_infotext
+from ov_accelerate_sd.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--width", "64", "--height", "64", "--steps", "2"]
@@ -305,9 +305,26 @@ class FakeClock:
         return self.now
 
 
+@pytest.mark.parametrize("width", [32, 100])
+def test_every_entry_refuses_a_size_by_the_same_rule(width: int, tmp_path: Path, capsys) -> None:
+    """The command line, a job file's line and the library answer a width the same way: a multiple of 8 and at least
+    64 (the library alone accepted 8 to 56)."""
+    from ov_accelerate_sd.pipeline import GenerationJob
+
+    rule = f"{width} must be a multiple of 8 and at least 64"
+    assert f"argument --width: {rule}" in _usage_error(["generate", "--demo", "--width", str(width)], capsys)
+    assert f"argument --width: {rule}" in _usage_error(
+        ["batch", "--prompts-file", str(tmp_path / "p.txt"), "--width", str(width), "--out", str(tmp_path)], capsys)
+    jobs = tmp_path / "j.jsonl"
+    jobs.write_text(f'{{"prompt": "x", "width": {width}}}\n')
+    assert f"{jobs}:1: width {rule}" in _usage_error(["batch", str(jobs), "--out", str(tmp_path / "o")], capsys)
+    with pytest.raises(ValueError, match=f"^width {rule}"):
+        GenerationJob("x", width=width).validated()
+
+
 def test_run_times_keep_the_first_batch_and_the_dropped_batch_apart() -> None:
     clock = FakeClock()
-    times = RunTimes(clock)
+    times = Progress(clock=clock)
 
     def batch(step_ends: list[float], end: float, kept: int | None) -> None:
         times.batch_started()
@@ -339,7 +356,7 @@ def test_run_times_keep_the_first_batch_and_the_dropped_batch_apart() -> None:
 
 def test_run_times_with_one_batch_give_no_steady_per_image_time() -> None:
     clock = FakeClock()
-    times = RunTimes(clock)
+    times = Progress(clock=clock)
     times.batch_started()
     clock.now = 103.0
     times.step()

@@ -102,7 +102,7 @@ def test_stop_after_the_current_step(sd1: Generator) -> None:
 
 
 def test_bad_job_values() -> None:
-    with pytest.raises(ValueError, match="width must be a positive multiple of 8"):
+    with pytest.raises(ValueError, match="width 100 must be a multiple of 8 and at least 64"):
         GenerationJob("x", width=100).validated()
     with pytest.raises(ValueError, match="unknown sampler"):
         GenerationJob("x", sampler="nope").validated()
