@@ -230,9 +230,18 @@ class ForgeHost:
         return ForgeAttention(parts)
 
     def install_load_hook(self, extension: Any) -> Callable[[], None] | None:
-        from .forge_load import install
+        """The checkpoint load (:mod:`.forge_load`) and the LoRA merge (:mod:`.forge_lora`) into the weight file."""
+        from . import forge_load, forge_lora
 
-        return install(extension)
+        undo = [one for one in (forge_load.install(extension), forge_lora.install(extension)) if one is not None]
+        if not undo:
+            return None
+
+        def uninstall() -> None:
+            for one in undo:
+                one()
+
+        return uninstall
 
     def route_for_sampling(self, p: Any, routes: Sequence[Route]) -> str:
         if not routes:

@@ -66,8 +66,8 @@ class Host(Protocol):
 
     def install_load_hook(self, extension: Any) -> Callable[[], None] | None:
         """Wrap the WebUI's checkpoint load so that, while acceleration is in use, the routed parts' weights go from
-        the checkpoint file straight into the weight file. Returns what takes the wrapper out again (None: the
-        WebUI's loader is not there)."""
+        the checkpoint file straight into the weight file (in Forge, its LoRA merge's weights too). Returns what takes
+        the wrappers out again (None: the WebUI's loader is not there)."""
 
 
 class A1111Host:
