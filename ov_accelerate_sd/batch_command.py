@@ -20,9 +20,9 @@ from typing import Any
 
 from ov_backend.files import format_bytes
 
-from .batch_jobs import JobLine, read_job_lines
 from .console import EXIT_INTERRUPTED, err, out
-from .job_args import line_defaults, render_options, resolver
+from .job_args import render_options, resolver
+from .jobs import JobLine, line_defaults, read_job_lines
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .batch_jobs import JobLine
-from .rules import MAX_SEED
+from .jobs import MAX_SEED, JobLine
 
 logger = logging.getLogger(__name__)
 

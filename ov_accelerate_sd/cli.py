@@ -26,8 +26,8 @@ from ov_backend.files import format_bytes
 from ov_backend.precision import DEFAULT_PRECISION, PRECISIONS
 
 from .console import out
+from .jobs import option
 from .parts import PARTS
-from .rules import option
 
 logger = logging.getLogger(__name__)
 

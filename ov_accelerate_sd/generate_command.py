@@ -24,8 +24,8 @@ from typing import Any
 from ov_backend.files import format_bytes
 
 from .console import EXIT_INTERRUPTED, err, out
-from .job_args import line_defaults, render_options, resolver
-from .rules import MAX_SEED
+from .job_args import render_options, resolver
+from .jobs import MAX_SEED, line_defaults
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""From the command line's arguments to what renders: every job line's defaults, the lines, the render options.
+"""What both commands check of a job before it renders: the LoRA files its prompts name, and the render options.
 
-``generate`` and ``batch`` take the same render options (``cli._add_render_options``); each is the default of a
-job line's field of the same name. ``generate``'s prompts become lines as a job file's would, so the two commands
-check a value the same way (:mod:`.rules`) and render through the same :class:`~.render.Renderer`. Everything here
-answers before torch or OpenVINO loads, a checkpoint's header and an init image aside.
+``generate`` and ``batch`` take the same render options (``cli._add_render_options``); each is the default of a job
+line's field of the same name (:func:`.jobs.line_defaults`). ``generate``'s prompts become lines as a job file's would
+(:func:`resolver`), so the two commands check a value the same way (:data:`.jobs.RULES`) and render through the same
+:class:`~.render.Renderer`. Everything here answers before torch or OpenVINO loads, a checkpoint's header aside.
 """
 
 from __future__ import annotations
@@ -14,63 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .batch_jobs import JobLine, resolve_line
+from .jobs import JobLine, checkpoint_problem, image_problem, resolve_line
 from .parts import PARTS
 
 logger = logging.getLogger(__name__)
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` is not a checkpoint that loads, or None."""
-    from .checkpoint import CheckpointError, check_checkpoint_file
-
-    try:
-        check_checkpoint_file(path)
-    except CheckpointError as exc:
-        return exc.reason
-    return None
-
-
-def image_problem(path: Path) -> str | None:
-    """Why ``path`` is not an image that reads, or None."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as img:
-            img.verify()
-    except FileNotFoundError:
-        return "no such file: cannot read the image"
-    except (OSError, UnidentifiedImageError) as exc:
-        return f"cannot read the image ({exc})"
-    return None
-
-
-def line_defaults(parser: argparse.ArgumentParser, args: Any) -> dict[str, Any]:
-    """Every job field's value from the command line (exit 2 on a bad checkpoint, init image or sampler)."""
-    from .demo_checkpoint import DEMO_SIZE, DEMO_STEPS
-    from .samplers import sampler_spec
-
-    files = {}
-    for option, path, problem_of in (("--checkpoint", args.checkpoint, checkpoint_problem),
-                                     ("--init-image", args.init_image, image_problem)):
-        problem = problem_of(path) if path is not None else None
-        if problem is not None:
-            parser.error(f"{option} {path}: {problem}")
-        files[option] = str(path.resolve()) if path is not None else ""
-    try:
-        sampler = sampler_spec(args.sampler).name
-    except ValueError as exc:
-        parser.error(f"argument --sampler: {exc}")
-    demo = args.checkpoint is None
-    size = DEMO_SIZE if demo else 512
-    return {
-        "prompt": args.prompt or "", "negative_prompt": args.negative_prompt, "seed": args.seed,
-        "width": args.width or size, "height": args.height or size,
-        "steps": args.steps or (DEMO_STEPS if demo else 20), "sampler": sampler, "cfg_scale": args.cfg_scale,
-        "batch_size": args.batch_size, "batch_count": args.batch_count, "checkpoint": files["--checkpoint"],
-        "precision": args.precision, "step_cache": args.step_cache, "init_image": files["--init-image"],
-        "denoising_strength": args.denoising_strength, "clip_skip": args.clip_skip,
-    }
 
 
 class LoraCheck:

@@ -26,11 +26,11 @@ from diffusers import (
 )
 from PIL import Image
 
+from .jobs import MAX_SEED, check_fields
 from .loader import Components
 from .noise import ImageNoise, image_seeds
 from .pnginfo import format_infotext
 from .prompts import PromptEncoder
-from .rules import MAX_SEED, check_fields
 from .samplers import img2img_strength, initial_latents, make_scheduler, sampler_spec
 from .step_cache import StepCacheRun
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .batch_jobs import JobLine
+from .jobs import JobLine
 from .parts import PARTS
 
 logger = logging.getLogger(__name__)

@@ -40,11 +40,13 @@ class Merging:
     Args:
         model: the model the loader changes (its parameters are found by key).
         weight_file: where they go.
+        note: a line for the next generation's status.
     """
 
-    def __init__(self, model: Any, weight_file: Any) -> None:
+    def __init__(self, model: Any, weight_file: Any, note: Callable[[str], None]) -> None:
         self.model = model
         self.weight_file = weight_file
+        self._note = note
         self._pending: list[str] = []
         self._pending_bytes = 0
         self.moved_bytes = 0
@@ -73,12 +75,16 @@ class Merging:
         self.kept.update(result.kept_bytes)
 
     def say(self) -> None:
+        """What moved and what stayed, in the log and the next generation's status."""
+        lines = []
         if self.moved_bytes:
-            logger.info("Accelerate with OpenVINO: moved %s of Forge's merged LoRA weights into the weight file in "
-                        "%.1f s", ov_backend.format_bytes(self.moved_bytes), self.seconds)
-        for why, nbytes in self.kept.items():
-            logger.info("Accelerate with OpenVINO: %s of Forge's merged LoRA weights stay in memory: %s",
-                        ov_backend.format_bytes(nbytes), why)
+            lines.append(f"Forge's LoRA: {ov_backend.format_bytes(self.moved_bytes)} of merged weights went into the "
+                         f"weight file as they were made ({self.seconds:.1f} s)")
+        lines += [f"Forge's LoRA: {ov_backend.format_bytes(nbytes)} of merged weights stay in memory: {why}"
+                  for why, nbytes in self.kept.items()]
+        for line in lines:
+            logger.info("Accelerate with OpenVINO: %s", line)
+            self._note(line)
 
 
 def _parameter(model: Any, key: str) -> Any:
@@ -96,9 +102,9 @@ def _part(model: Any) -> str:
     return "unet" if hasattr(model, "diffusion_model") else "text_encoder"
 
 
-def weight_file_for(extension: Any, model: Any) -> Any:
-    """The weight file a merge into ``model`` goes into, or None (weights in a file off, acceleration not in use, or
-    the part not routed)."""
+def weight_file_for(extension: Any, model: Any) -> tuple[Any, Any] | None:
+    """The accelerator and the weight file a merge into ``model`` goes into, or None (weights in a file off,
+    acceleration not in use, or the part not routed)."""
     try:
         found = in_use(extension.made_accelerator(), extension.accelerator)
         if found is None:
@@ -110,7 +116,7 @@ def weight_file_for(extension: Any, model: Any) -> Any:
         return None
     if target is None or _part(model) not in target[0].parts:
         return None
-    return target[1]
+    return accelerator, target[1]
 
 
 def install(extension: Any) -> Callable[[], None] | None:
@@ -123,10 +129,11 @@ def install(extension: Any) -> Callable[[], None] | None:
 
     def make_refresh(original: Callable[..., Any]) -> Callable[..., Any]:
         def refresh(self: Any, *args: Any, **kwargs: Any) -> Any:
-            weight_file = weight_file_for(extension, self.model)
-            if weight_file is None:
+            found = weight_file_for(extension, self.model)
+            if found is None:
                 return original(self, *args, **kwargs)
-            merging = _state.merging = Merging(self.model, weight_file)
+            accelerator, weight_file = found
+            merging = _state.merging = Merging(self.model, weight_file, accelerator.add_load_note)
             start = time.perf_counter()
             try:
                 return original(self, *args, **kwargs)

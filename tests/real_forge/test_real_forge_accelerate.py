@@ -124,7 +124,8 @@ def test_a_second_size_at_automatic_precision(forge: Forge) -> None:
 def test_lora_on_and_off_matches_forges_own_loader_and_compiles_without_converting(forge: Forge) -> None:
     """Forge's LoRA loader writes new weight tensors into the UNet and the text encoder (``refresh_loras``); the
     accelerated picture is Forge's own, and the change is a compile of the model converted before, not a
-    conversion. Taking the LoRA off gives the base picture back."""
+    conversion. Taking the LoRA off gives the base picture back. The weights the loader merges go into the weight file
+    as they are made (``forge_lora``), and the status says so."""
     base = request("a lighthouse on a cliff, (dramatic sky:1.2)")
     forge.generate(fresh(accelerated(base)))  # this test's weights and size compiled before the change
     stock, fast, status = stock_and_fast(forge, request(f"a lighthouse on a cliff, (dramatic sky:1.2) <lora:{LORA}:1>"))
@@ -133,6 +134,8 @@ def test_lora_on_and_off_matches_forges_own_loader_and_compiles_without_converti
     assert "Lora hashes" in fast.infotexts[0], fast.infotexts[0]
     lines = compile_lines(status)
     assert lines and all("convert 0.00s" in line for line in lines), status["status"]
+    # acceleration in use: the weights Forge's loader merged (for stock's request, first) went into the weight file
+    assert "of merged weights went into the weight file as they were made" in status["status"], status["status"]
     stock_off, fast_off, status_off = stock_and_fast(forge, base)
     assert_accelerated(status_off)
     matches(forge, "LoRA off again", stock_off, fast_off, status_off, MIN_F32_DB)

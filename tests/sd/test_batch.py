@@ -259,7 +259,7 @@ def test_a_batch_rendered_first_calibrates_on_the_jobs_first_batch_of_its_graph(
     """A renderer given line 3 first (as a worker may be) learns line 1's graphs by sampling it (line 1 cannot
     render: its LoRA is missing, so it calibrates nothing), finds line 2 to be the first batch of line 3's graph,
     samples it to calibrate, and makes line 3's image of a run in the job's order."""
-    from ov_accelerate_sd.batch_jobs import JobLine
+    from ov_accelerate_sd.jobs import JobLine
     from ov_accelerate_sd.render import Renderer, RenderOptions, RenderTask, tasks_of
 
     def line(number: int, prompt: str, width: int) -> JobLine:

@@ -29,7 +29,7 @@ def _forge_lora_module() -> types.ModuleType:
             self.backup: dict[str, torch.Tensor] = {}
 
         @torch.inference_mode()
-        def refresh(self, lora_patches: dict[str, list[torch.Tensor]], offload_device: Any = torch.device("cpu"),
+        def refresh(self, lora_patches: dict[str, list[torch.Tensor]], offload_device: Any = "cpu",
                     force_refresh: bool = False) -> None:
             for key, weight in self.backup.items():
                 parent, _, name = key.rpartition(".")
@@ -83,6 +83,9 @@ def test_forges_merged_lora_weights_go_into_the_weight_file_a_chunk_at_a_time(
             assert weight_file.holds(param) and not param.requires_grad, key
             assert torch.equal(param, originals[key] + 1.0), key
         assert all(not weight_file.holds(w) or torch.equal(w, originals[k]) for k, w in loader.backup.items())
+        notes = extension.accelerator().pop_load_notes()
+        assert any(n.startswith("Forge's LoRA: 640 B of merged weights went into the weight file") for n in notes), \
+            notes
 
         loader.refresh({})  # the LoRA off: the backups come back, the merged copies go with their file
         assert all(torch.equal(model.get_parameter(k), originals[k]) for k in patches)

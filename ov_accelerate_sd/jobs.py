@@ -1,20 +1,25 @@
-"""A batch job's lines: reading a job file, checking every line before anything renders, the images it plans.
+"""A job's lines, ``generate``'s and ``batch``'s: the fields, the rules of their values, a job file read and checked.
 
-Owns :data:`JOB_FIELDS` (the fields a job line may set, their types, and the command-line option each one
-defaults from), :class:`JobLine` (one line, every field resolved), :func:`read_job_lines` (a JSONL file, one
-JSON object a line, or a plain prompts file, one prompt a line) and :class:`BadLine` (what is wrong with a line
-and where). A line's ``fingerprint`` is what a resumed run compares: the resolved fields, the random seed of a
-``seed: -1`` line excepted (the run's manifest keeps the seed it drew).
+Owns :data:`RULES` (what every value a user gives a render must be, written once: the command line's option types
+(:func:`option`), the job file's lines and the library's ``GenerationJob`` check with it and say the same thing),
+:data:`JOB_FIELDS` (the fields a job line may set, their types, and the command-line option each one defaults from:
+:func:`line_defaults`),
+:class:`JobLine` (one line, every field resolved), :func:`read_job_lines` (a JSONL file, one JSON object a line, or a
+plain prompts file, one prompt a line) and :class:`BadLine` (what is wrong with a line and where). A line's
+``fingerprint`` is what a resumed run compares: the resolved fields, the random seed of a ``seed: -1`` line excepted
+(the run's manifest keeps the seed it drew).
 
-Imports neither torch nor OpenVINO: a job file with a bad line is refused at once.
+Imports neither torch nor OpenVINO: a bad value or a job file with a bad line is refused at once.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +27,91 @@ from typing import Any
 
 from ov_backend.precision import PRECISIONS
 
-from .rules import MIN_SIZE, check_fields
-
 logger = logging.getLogger(__name__)
+
+#: The largest seed (the WebUI's: a 32-bit unsigned integer); -1 asks for a random one.
+MAX_SEED = 2**32 - 1
+#: The smallest width or height: the WebUI's sliders start there, and a latent of fewer than 8 cells is not a picture.
+MIN_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a value of one field must be."""
+
+    holds: Callable[[Any], bool]
+    text: str
+    """What would be right, after "must be"."""
+    unknown_name: bool = False
+    """The value is a name from a list (a precision): "unknown precision 'fp8'; valid: ..." rather than "must be"."""
+
+    def problem(self, name: str, value: Any) -> str | None:
+        """What is wrong with ``value`` of field ``name`` ("width 100 must be ..."), or None when it holds."""
+        if self.holds(value):
+            return None
+        if self.unknown_name:
+            return f"unknown {name} {value!r}; valid: {self.text}"
+        return f"{name} {value} must be {self.text}"
+
+
+_AT_LEAST_1 = Rule(lambda v: v >= 1, "at least 1")
+_SIZE = Rule(lambda v: v >= MIN_SIZE and v % 8 == 0, f"a multiple of 8 and at least {MIN_SIZE} (e.g. 512, 768)")
+
+#: The fields a render takes, by the name the job file and ``GenerationJob`` give them.
+RULES: dict[str, Rule] = {
+    "width": _SIZE,
+    "height": _SIZE,
+    "steps": _AT_LEAST_1,
+    "batch_size": _AT_LEAST_1,
+    "batch_count": _AT_LEAST_1,
+    "clip_skip": _AT_LEAST_1,
+    "step_cache": _AT_LEAST_1,
+    "cfg_scale": Rule(lambda v: math.isfinite(v) and v >= 0.0, "a finite number >= 0 (e.g. 7)"),
+    "denoising_strength": Rule(lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "seed": Rule(lambda v: -1 <= v <= MAX_SEED, f"-1 (random) or in 0..{MAX_SEED}"),
+    "precision": Rule(lambda v: v in PRECISIONS, ", ".join(PRECISIONS), unknown_name=True),
+    # the command line's shape of step caching (StepCacheSettings checks the library's)
+    "step_cache_depth": _AT_LEAST_1,
+    "step_cache_start": _AT_LEAST_1,
+    "step_cache_end": Rule(lambda v: v >= 0, "at least 0"),
+}
+
+
+def check_fields(fields: Mapping[str, Any], sampler_name: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """``fields`` checked against :data:`RULES` (the ones it has), with the sampler's canonical name when
+    ``sampler_name`` is given.
+
+    Raises:
+        ValueError: the first field that is wrong: "width 100 must be a multiple of 8 and at least 64 (e.g. 512, 768)".
+    """
+    checked = dict(fields)
+    for name, rule in RULES.items():
+        if name in checked:
+            problem = rule.problem(name, checked[name])
+            if problem is not None:
+                raise ValueError(problem)
+    if sampler_name is not None and "sampler" in checked:
+        checked["sampler"] = sampler_name(checked["sampler"])
+    return checked
+
+
+def option(name: str, convert: Callable[[str], Any] = int) -> Callable[[str], Any]:
+    """An argparse ``type`` for the option of field ``name``: the text converted, then checked by its rule
+    (argparse says "argument --width: 100 must be a multiple of 8 ...")."""
+    rule = RULES[name]
+    kind = "an integer" if convert is int else "a number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not rule.holds(value):
+            raise argparse.ArgumentTypeError(f"{text} must be {rule.text}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in its own messages
+    return parse
 
 
 @dataclass(frozen=True)
@@ -57,6 +144,60 @@ JOB_FIELDS: dict[str, FieldSpec] = {
     "denoising_strength": FieldSpec("number", "--denoising-strength", "img2img: in (0, 1]"),
     "clip_skip": FieldSpec("integer", "--clip-skip", "stop the text encoder this many layers before its last"),
 }
+
+
+def option_values(args: Any) -> dict[str, Any]:
+    """Every job field's value as the command line's arguments give it (from the option :data:`JOB_FIELDS` names;
+    None where the option has no default)."""
+    return {name: getattr(args, spec.option.lstrip("-").replace("-", "_")) for name, spec in JOB_FIELDS.items()}
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a checkpoint that loads, or None."""
+    from .checkpoint import CheckpointError, check_checkpoint_file
+
+    try:
+        check_checkpoint_file(path)
+    except CheckpointError as exc:
+        return exc.reason
+    return None
+
+
+def image_problem(path: Path) -> str | None:
+    """Why ``path`` is not an image that reads, or None."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except FileNotFoundError:
+        return "no such file: cannot read the image"
+    except (OSError, UnidentifiedImageError) as exc:
+        return f"cannot read the image ({exc})"
+    return None
+
+
+def line_defaults(parser: argparse.ArgumentParser, args: Any) -> dict[str, Any]:
+    """Every job field's value from the command line (exit 2 on a bad checkpoint, init image or sampler)."""
+    from .demo_checkpoint import DEMO_SIZE, DEMO_STEPS
+    from .samplers import sampler_spec
+
+    values = option_values(args)
+    for name, problem_of in (("checkpoint", checkpoint_problem), ("init_image", image_problem)):
+        path = values[name]
+        problem = problem_of(path) if path is not None else None
+        if problem is not None:
+            parser.error(f"{JOB_FIELDS[name].option} {path}: {problem}")
+        values[name] = str(path.resolve()) if path is not None else ""
+    try:
+        values["sampler"] = sampler_spec(args.sampler).name
+    except ValueError as exc:
+        parser.error(f"argument --sampler: {exc}")
+    demo = args.checkpoint is None
+    size = DEMO_SIZE if demo else 512
+    values.update(prompt=values["prompt"] or "", width=values["width"] or size, height=values["height"] or size,
+                  steps=values["steps"] or (DEMO_STEPS if demo else 20))
+    return values
 
 
 @dataclass(frozen=True)
