@@ -236,7 +236,7 @@ class LocalPool:
                 bar.close()
             if progress is not None:
                 progress.batch_done(len(images))
-            on_result(self.renderer.result(task, images))
+            on_result(RenderResult(task, images))  # (its counters and reports: stats(), reports())
 
     def stats(self) -> dict[str, float]:
         stats = self.renderer.stats()
