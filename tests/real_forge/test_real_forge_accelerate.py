@@ -294,6 +294,29 @@ def test_forges_built_in_unet_patches_run_in_pytorch_and_are_named(forge: Forge,
     matches(forge, f"{owner} on (its UNet calls in PyTorch)", stock, fast, status, MIN_F32_DB)
 
 
+def test_multidiffusion_tiles_run_through_openvino_inside_its_wrapper(forge: Forge) -> None:
+    """Forge's MultiDiffusion sets a UNet function wrapper of its own that calls the UNet on tiles of the latent (its
+    script runs before ours: ours wraps around it); each tile's UNet call runs in OpenVINO, the picture is stock
+    Forge's with the same tiles, and the tiles move stock's picture."""
+    script = next(s for s in forge.get("/sdapi/v1/script-info")
+                  if s["name"].startswith("multidiffusion") and not s["is_img2img"])
+    payload = request("a harbour at dawn", width=128, height=64)
+    # 64x64 px tiles (8x8 latent) overlapping by 32 px over a 16x8 latent: 3 tiles, 2 of them in one UNet call
+    tiled = dict(payload, alwayson_scripts={script["name"]: {"args": [True, "MultiDiffusion", 64, 64, 32, 2]}})
+    plain = forge.generate(fresh(payload))
+    stock, fast, status = stock_and_fast(forge, tiled)
+    moved = psnr(plain.images[0], stock.images[0])
+    forge.record("forge: stock with MultiDiffusion against without", moved)
+    assert moved < MIN_F32_DB, moved
+    assert "multidiffusion_enabled: True" in stock.infotexts[0], stock.infotexts[0]
+    assert "multidiffusion_enabled: True" in fast.infotexts[0], fast.infotexts[0]
+    assert_accelerated(status)
+    assert not status["pytorch"], status["pytorch"]
+    # 3 steps x 2 tile batches (2 tiles, then 1), each with its cond and uncond in one call
+    assert status["calls"][UNET] == 6, status["calls"]
+    matches(forge, "MultiDiffusion (tiles in OpenVINO), f32", stock, fast, status, MIN_F32_DB)
+
+
 def test_forges_integrated_controlnet_runs_the_unet_in_pytorch_and_names_it(forge: Forge) -> None:
     """Forge's integrated ControlNet (``sd_forge_controlnet``) with the A1111 bed's random ControlNet on its full-size
     SD 1.5 (ControlNet's layout fits nothing smaller): its residuals come into the UNet call, which then runs in
