@@ -11,7 +11,8 @@ What ends up in ``$FORGE_ROOT`` (what tests/real_forge/forge.py uses):
                   HEAD is that commit, as in the A1111 bed), and in models/ the tier's checkpoints and LoRA
                   (tests/real_forge/make_models.py: SD 1.5 as Forge's huggingface_guess recognises it, full-size
                   CLIP-L and VAE, a UNet of a twentieth of SD 1.5's size; make_models_sdxl.py: SDXL likewise, with
-                  full-size CLIP-L and OpenCLIP-bigG, 2.1 GB, and a random SDXL approximate VAE for live previews)
+                  full-size CLIP-L and OpenCLIP-bigG, 2.1 GB, its refiner with bigG alone, and a random SDXL
+                  approximate VAE for live previews; make_models_sd2.py: SD 2.x, v-prediction, full-size OpenCLIP-H)
                   and a link to the A1111 bed's full-size random SD 1.5 checkpoint when that bed has one
   venv/           Python 3.10 or 3.11 (``FORGE_PYTHON``, default python3.11): torch 2.13.0+cpu, torchvision 0.28.0,
                   every pin of Forge's requirements_versions.txt (setuptools aside, and its bare ``torch`` line
@@ -62,7 +63,10 @@ MODEL_RECIPES = {
                                         "Stable-diffusion/ovtest-forge-sd15-b.safetensors",
                                         "Lora/ovtest-forge-lora.safetensors"),
     "tests/real_forge/make_models_sdxl.py": ("Stable-diffusion/ovtest-forge-sdxl.safetensors",
+                                             "Stable-diffusion/ovtest-forge-sdxl-refiner.safetensors",
                                              "VAE-approx/vaeapprox-sdxl.pt"),
+    "tests/real_forge/make_models_sd2.py": ("Stable-diffusion/ovtest-forge-sd2-v.safetensors",
+                                            "Stable-diffusion/ovtest-forge-sd2-v.yaml"),
 }
 #: The A1111 bed's models Forge's tier uses too (linked, not built twice): its full-size random SD 1.5, and the random
 #: ControlNet for it (Forge's integrated ControlNet reads the same files).

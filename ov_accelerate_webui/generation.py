@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,15 @@ class RunRecord:
                 "eager_calls": int(self.stats.get("eager_calls", 0)), "ov_calls": int(self.stats.get("ov_calls", 0))}
 
 
+def _weak(model: Any) -> Callable[[], Any]:
+    """A weak reference to ``model`` (the WebUI's models take one: a model it drops is not kept alive), or, for an
+    object that takes none, the object itself."""
+    try:
+        return weakref.ref(model)
+    except TypeError:
+        return lambda: model
+
+
 class Generation:
     """One ``process_images`` call with the chosen parts of the model routed through OpenVINO.
 
@@ -156,6 +166,8 @@ class Generation:
         """The disk cache's folder ("" without one)."""
         self.cached_before: set[str] | None = None
         """The disk cache's keys before the generation (None: not known)."""
+        self._sampling: tuple[Any, Callable[[], Any]] | None = None
+        """The ``p`` of the last sampling the host's patch point was set for, and (weakly) the model it was set on."""
 
     @property
     def prepared(self) -> PreparedRun:
@@ -181,6 +193,11 @@ class Generation:
             self.attention.ensure()  # a model load inside the generation applied the WebUI's attention again
         self.session.follow(loaded)
         self.session.observe(loaded)
+        sampled = self._sampling
+        if sampled is not None and loaded is not None and sampled[1]() is not loaded:
+            # the WebUI switched models inside a sampling (Forge's refiner: a new model whose UNet Forge samples on
+            # with no process_before_every_sampling): its routes go on the host's patch point too
+            self.before_sampling(sampled[0])
         if self.prepared.step_cache is not None:
             sampler_step(self.prepared.step_cache, params)
 
@@ -188,6 +205,8 @@ class Generation:
         """Before each sampling of the generation (each batch, the hires pass; the section's
         ``process_before_every_sampling`` hook): the host puts the routes it owns on its patch point for it
         (Forge's UNet function wrapper). When it cannot, the UNet runs in PyTorch and the status says why."""
+        loaded = getattr(p, "sd_model", None)
+        self._sampling = (p, _weak(loaded)) if loaded is not None else None
         why = self.accelerator.host.route_for_sampling(p, self.session.sampling_routes())
         if why:
             logger.warning("Accelerate with OpenVINO: the UNet runs in PyTorch for this sampling: %s", why)

@@ -27,11 +27,19 @@ LORA = "ovtest-forge-lora"
 SDXL_CHECKPOINT = "ovtest-forge-sdxl.safetensors"
 """SDXL as huggingface_guess recognises it: full-size CLIP-L, OpenCLIP-bigG and VAE, SDXL's input side of the
 UNet at 320 channels (``make_models_sdxl.py``); its approximate VAE for live previews is in the bed too."""
+SDXL_REFINER = "ovtest-forge-sdxl-refiner.safetensors"
+"""SDXL's refiner as huggingface_guess recognises it: full-size OpenCLIP-bigG alone and the VAE, a UNet at 384 channels
+(``make_models_sdxl.py``)."""
+SD2_CHECKPOINT = "ovtest-forge-sd2-v.safetensors"
+"""SD 2.x with v-prediction (its ``.yaml`` beside it says so): full-size OpenCLIP-H and VAE, a small UNet
+(``make_models_sd2.py``)."""
 FULL_CHECKPOINT = "sd15-random.safetensors"
 """The A1111 bed's full-size random SD 1.5, linked into Forge's bed when that bed has it (slow: minutes to
 convert to OpenVINO on 2 cores)."""
 MODELS = (f"Stable-diffusion/{CHECKPOINT_A}", f"Stable-diffusion/{CHECKPOINT_B}", f"Lora/{LORA}.safetensors",
-          f"Stable-diffusion/{SDXL_CHECKPOINT}", "VAE-approx/vaeapprox-sdxl.pt")
+          f"Stable-diffusion/{SDXL_CHECKPOINT}", f"Stable-diffusion/{SDXL_REFINER}",
+          f"Stable-diffusion/{SD2_CHECKPOINT}", "Stable-diffusion/ovtest-forge-sd2-v.yaml",
+          "VAE-approx/vaeapprox-sdxl.pt")
 SECTION_NAME = "openvino"
 """The extension's AlwaysVisible section as ``/sdapi/v1/scripts`` lists it (its title, lower-case)."""
 LAUNCH_FLAGS = (

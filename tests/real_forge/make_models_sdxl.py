@@ -1,10 +1,12 @@
-"""Builds the Forge tier's cheap SDXL checkpoint with Forge's own model classes (``make_models.py`` does SD 1.5).
+"""Builds the Forge tier's cheap SDXL base and refiner checkpoints with Forge's own model classes (``make_models.py``
+does SD 1.5, ``make_models_sd2.py`` SD 2.x).
 
 Run by the Forge test bed's Python, never by the project's venv. Usage::
 
     python make_models_sdxl.py <Forge webui folder> <models folder>
 
-Writes ``<models>/Stable-diffusion/ovtest-forge-sdxl.safetensors`` and a random
+Writes ``<models>/Stable-diffusion/ovtest-forge-sdxl.safetensors``, ``ovtest-forge-sdxl-refiner.safetensors`` (the
+refiner: OpenCLIP-bigG alone, as published, see :data:`REFINER_CONFIG`) and a random
 ``<models>/VAE-approx/vaeapprox-sdxl.pt`` (Forge's SDXL live previews would download the trained one).
 
 Why Forge loads it as SDXL: huggingface_guess's ``SDXL`` fixes ``model_channels`` 320, linear ``proj_in``,
@@ -82,66 +84,120 @@ def open_clip_layout(state: dict[str, Any], layers: int) -> dict[str, Any]:
     return out
 
 
-def build(seed: int) -> dict[str, Any]:
-    """The checkpoint's tensors (fp16, the layout of SDXL's published checkpoint)."""
+def conditioning(encoders: list[Any], tokenizers: list[Any], gen: Any) -> Any:
+    """Each encoder's position embedding shifted so that its penultimate hidden state (what Forge's SDXL base and
+    refiner condition on: clip skip 2, no final LayerNorm) has a mean of CONDITIONING_MEAN; the conditioning of four
+    prompts (the encoders' states side by side), checked to be non-degenerate and to depend on the prompt."""
+    import torch
+
+    prompts = ["", "a lighthouse", "(a red car:1.3)", "blurry"]
+    parts = []
+    for encoder, tokenizer in zip(encoders, tokenizers):
+        tokens = tokenizer(prompts, padding="max_length", max_length=77, return_tensors="pt").input_ids
+        hidden = encoder(tokens, output_hidden_states=True).hidden_states[-2]
+        encoder.text_model.embeddings.position_embedding.weight.add_(CONDITIONING_MEAN - hidden.mean())
+        parts.append(encoder(tokens, output_hidden_states=True).hidden_states[-2])
+    crossattn = torch.cat(parts, dim=2)
+    means = torch.stack([part.mean(dim=(1, 2)) for part in parts])
+    assert crossattn.isfinite().all() and means.abs().min() > 0.02, f"conditioning means too close to 0: {means}"
+    assert (crossattn[1] - crossattn[3]).abs().mean() > 0.01, "the conditioning does not depend on the prompt"
+    return crossattn
+
+
+def scaled_vae(vae: Any, gen: Any) -> float:
+    """The VAE decoder's last conv scaled so that a typical latent decodes to mid-range pixels; the decoded picture's
+    spread, checked (not flat, mostly not clipped)."""
+    import torch
+
+    out = vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / vae.scaling_factor)
+    vae.decoder.conv_out.weight.mul_(0.5 / out.std())
+    vae.decoder.conv_out.bias.zero_()
+    image = ((vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / vae.scaling_factor) + 1) / 2).clamp(0, 1)
+    clipped = float(((image <= 0) | (image >= 1)).float().mean())
+    assert 0.05 < float(image.std()) and clipped < 0.5, f"decoded image std {image.std()}, clipped {clipped}"
+    return float(image.std())
+
+
+def build(seed: int, config: dict[str, Any], repo: str, encoders: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """The checkpoint's tensors (fp16, the layout of SDXL's published base or refiner checkpoint): a UNet of
+    ``config``, the text ``encoders`` ({``clip_l`` or ``clip_g``: its model's and its tokenizer's folder in ``repo``})
+    and the VAE of Forge's fixed config ``repo``."""
     import torch
     import transformers
     from backend.nn.unet import IntegratedUNet2DConditionModel
     from backend.nn.vae import IntegratedAutoencoderKL
 
     torch.manual_seed(seed)
-    unet = IntegratedUNet2DConditionModel(**UNET_CONFIG)
-    clip_l = transformers.CLIPTextModel(
-        transformers.CLIPTextConfig.from_pretrained(os.path.join(SDXL_REPO, "text_encoder")))
-    clip_g = transformers.CLIPTextModelWithProjection(
-        transformers.CLIPTextConfig.from_pretrained(os.path.join(SDXL_REPO, "text_encoder_2")))
-    vae = IntegratedAutoencoderKL.from_config(IntegratedAutoencoderKL.load_config(os.path.join(SDXL_REPO, "vae")))
-    tokenizers = [transformers.CLIPTokenizer.from_pretrained(os.path.join(SDXL_REPO, name))
-                  for name in ("tokenizer", "tokenizer_2")]
+    unet = IntegratedUNet2DConditionModel(**config)
+    models, tokenizers = [], []
+    for kind, names in encoders.items():
+        folder, tokenizer = (os.path.join(repo, name) for name in names)
+        model = transformers.CLIPTextModel if kind == "clip_l" else transformers.CLIPTextModelWithProjection
+        models.append(model(transformers.CLIPTextConfig.from_pretrained(folder)))
+        tokenizers.append(transformers.CLIPTokenizer.from_pretrained(tokenizer))
+    vae = IntegratedAutoencoderKL.from_config(IntegratedAutoencoderKL.load_config(os.path.join(repo, "vae")))
     gen = torch.Generator().manual_seed(seed)
-    prompts = ["", "a lighthouse", "(a red car:1.3)", "blurry"]
     with torch.no_grad():
-        non_degenerate(unet, (clip_l, clip_g), gen)
-        parts = []
-        for encoder, tokenizer in zip((clip_l, clip_g), tokenizers):
-            tokens = tokenizer(prompts, padding="max_length", max_length=77, return_tensors="pt").input_ids
-            hidden = encoder(tokens, output_hidden_states=True).hidden_states[-2]  # Forge's SDXL: clip skip 2
-            encoder.text_model.embeddings.position_embedding.weight.add_(CONDITIONING_MEAN - hidden.mean())
-            parts.append(encoder(tokens, output_hidden_states=True).hidden_states[-2])
-        crossattn = torch.cat(parts, dim=2)
-        means = torch.stack([part.mean(dim=(1, 2)) for part in parts])
-        y = torch.randn(2, UNET_CONFIG["adm_in_channels"], generator=gen)
+        non_degenerate(unet, tuple(models), gen)
+        crossattn = conditioning(models, tokenizers, gen)
+        y = torch.randn(2, config["adm_in_channels"], generator=gen)
         eps = unet(torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([500.0, 500.0]), context=crossattn[1:3], y=y)
-        out = vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / vae.scaling_factor)
-        vae.decoder.conv_out.weight.mul_(0.5 / out.std())
-        vae.decoder.conv_out.bias.zero_()
-        image = ((vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / vae.scaling_factor) + 1) / 2).clamp(0, 1)
-    clipped = float(((image <= 0) | (image >= 1)).float().mean())
-    assert crossattn.isfinite().all() and means.abs().min() > 0.02, f"conditioning means too close to 0: {means}"
-    assert (crossattn[1] - crossattn[3]).abs().mean() > 0.01, "the conditioning does not depend on the prompt"
+        image_std = scaled_vae(vae, gen)
     assert eps.isfinite().all() and eps.std() > 0.05, f"UNet output std {eps.std()}"
-    assert 0.05 < float(image.std()) and clipped < 0.5, f"decoded image std {image.std()}, clipped {clipped}"
-    state = fp16_state({"model.diffusion_model.": unet.state_dict(),
-                        "conditioner.embedders.0.transformer.": clip_l.state_dict(),
-                        "conditioner.embedders.1.model.": open_clip_layout(clip_g.state_dict(), 32),
-                        "first_stage_model.": vae.state_dict()})
+    parts = {"model.diffusion_model.": unet.state_dict(), "first_stage_model.": vae.state_dict()}
+    for i, (kind, model) in enumerate(zip(encoders, models)):
+        if kind == "clip_l":
+            parts[f"conditioner.embedders.{i}.transformer."] = model.state_dict()
+        else:
+            parts[f"conditioner.embedders.{i}.model."] = open_clip_layout(model.state_dict(), 32)
     print(  # noqa: T201 (run by the test bed; its output is read on failure)
-        f"SDXL seed {seed}: UNet {sum(p.numel() for p in unet.parameters()) / 1e6:.0f} M parameters, conditioning "
-        f"means {[[round(float(m), 3) for m in row] for row in means]}, UNet eps std {float(eps.std()):.3f}, "
-        f"image std {float(image.std()):.3f} ({clipped:.0%} clipped)"
+        f"{'+'.join(encoders)} seed {seed}: UNet {sum(p.numel() for p in unet.parameters()) / 1e6:.0f} M parameters, "
+        f"UNet eps std {float(eps.std()):.3f}, image std {image_std:.3f}"
     )
-    return state
+    return fp16_state(parts)
 
 
-def check_guess(state: dict[str, Any]) -> None:
-    """huggingface_guess (Forge's own family detection) takes the state dict for SDXL, with this UNet."""
+REFINER = "ovtest-forge-sdxl-refiner.safetensors"
+REFINER_SEED = 4
+REFINER_REPO = os.path.join("backend", "huggingface", "stabilityai", "stable-diffusion-xl-refiner-1.0")
+#: huggingface_guess's ``SDXLRefiner`` fixes ``model_channels`` 384, linear ``proj_in``, ``context_dim`` 1280, ADM input
+#: 2560 and the input side's transformer depths ``[0, 0, 4, 4, 4, 4, 0, 0]`` (four levels of two residual blocks);
+#: the rest is read from the shapes: 384 channels on every level, one transformer per output block of the two middle
+#: levels and in the middle block here (0.13 B parameters, not 2.3 B).
+REFINER_CONFIG: dict[str, Any] = {
+    "in_channels": 4,
+    "out_channels": 4,
+    "model_channels": 384,
+    "channel_mult": [1, 1, 1, 1],
+    "num_res_blocks": [2, 2, 2, 2],
+    "transformer_depth": [0, 0, 4, 4, 4, 4, 0, 0],
+    "transformer_depth_output": [0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+    "transformer_depth_middle": 1,
+    "context_dim": 1280,
+    "use_linear_in_transformer": True,
+    "use_spatial_transformer": True,
+    "adm_in_channels": 2560,
+    "num_classes": "sequential",
+    "num_heads": -1,
+    "num_head_channels": 64,
+}
+#: file name: (seed, UNet, Forge's fixed config folder, text encoders with their model's and tokenizer's folders, the
+#: huggingface_guess class it must be taken for)
+CHECKPOINTS: dict[str, tuple[int, dict[str, Any], str, dict[str, tuple[str, str]], str]] = {
+    CHECKPOINT: (SEED, UNET_CONFIG, SDXL_REPO,
+                 {"clip_l": ("text_encoder", "tokenizer"), "clip_g": ("text_encoder_2", "tokenizer_2")}, "SDXL"),
+    REFINER: (REFINER_SEED, REFINER_CONFIG, REFINER_REPO, {"clip_g": ("text_encoder", "tokenizer")}, "SDXLRefiner"),
+}
+
+
+def check_guess(state: dict[str, Any], family: str, config: dict[str, Any]) -> None:
+    """huggingface_guess (Forge's own family detection) takes the state dict for ``family``, with this UNet."""
     import huggingface_guess
-    from huggingface_guess import model_list
 
     guess = huggingface_guess.guess(state)
-    assert type(guess) is model_list.SDXL, f"huggingface_guess sees {type(guess).__name__}, not SDXL"
-    found = {k: guess.unet_config.get(k) for k in UNET_CONFIG}
-    assert found == UNET_CONFIG, f"huggingface_guess reads another UNet: {found}"
+    assert type(guess).__name__ == family, f"huggingface_guess sees {type(guess).__name__}, not {family}"
+    found = {k: guess.unet_config.get(k) for k in config}
+    assert found == config, f"huggingface_guess reads another UNet: {found}"
 
 
 def main(webui: str, models: str) -> None:
@@ -151,14 +207,15 @@ def main(webui: str, models: str) -> None:
 
     if not os.path.isfile(os.path.join(models, "VAE-approx", "vaeapprox-sdxl.pt")):
         write_vae_approx_sdxl(models)
-    out = os.path.join(models, "Stable-diffusion", CHECKPOINT)
-    if os.path.isfile(out):
-        return
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    state = build(SEED)
-    check_guess(state)
-    save_file(state, out + ".part")
-    os.replace(out + ".part", out)
+    for name, (seed, config, repo, encoders, family) in CHECKPOINTS.items():
+        out = os.path.join(models, "Stable-diffusion", name)
+        if os.path.isfile(out):
+            continue
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        state = build(seed, config, repo, encoders)
+        check_guess(state, family, config)
+        save_file(state, out + ".part")
+        os.replace(out + ".part", out)
 
 
 if __name__ == "__main__":

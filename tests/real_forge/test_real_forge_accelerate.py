@@ -31,7 +31,9 @@ from .forge import (
     CHECKPOINT_B,
     FULL_CHECKPOINT,
     LORA,
+    SD2_CHECKPOINT,
     SDXL_CHECKPOINT,
+    SDXL_REFINER,
     SECTION_NAME,
     Forge,
     assert_accelerated,
@@ -367,12 +369,50 @@ def test_interrupt_leaves_nothing_patched(forge: Forge) -> None:
     assert psnr(before.images[0], after.images[0]) == float("inf")  # stock after == stock before
 
 
-def test_sdxl_runs_every_part_in_openvino_and_matches_forge(forge: Forge) -> None:
-    payload = request("a lighthouse on a cliff, (dramatic sky:1.2)")
-    with on_checkpoint(forge, SDXL_CHECKPOINT):
+def test_sd2_v_prediction_runs_every_part_in_openvino_and_matches_forge(forge: Forge) -> None:
+    """SD 2.x with v-prediction (OpenCLIP-H, Forge's ``StableDiffusion2``): stock Forge's picture on the tier's
+    checkpoint is sane (not flat, moved by the prompt), and the accelerated one is it."""
+    payload = request("a lighthouse on a cliff")
+    with on_checkpoint(forge, SD2_CHECKPOINT):
         stock, fast, status = stock_and_fast(forge, payload)
+        other = forge.generate(fresh(request("a red car in the rain")))
+    assert "Model: ovtest-forge-sd2-v" in fast.infotexts[0], fast.infotexts[0]
+    assert float(stock.images[0].std()) > 5, "stock Forge's SD 2 picture is flat"
+    moved = psnr(other.images[0], stock.images[0])
+    forge.record("forge: SD 2, stock with another prompt", moved)
+    assert moved < MIN_F32_DB, moved
+    assert_accelerated(status)
+    encoders = {label for label, n in status["calls"].items() if n and label.startswith("clip.")}
+    assert encoders == {TEXT_ENCODER.replace("clip_l", "clip_h")}, status["calls"]
+    matches(forge, "SD 2 (v-prediction), f32", stock, fast, status, MIN_F32_DB)
+
+
+def test_sdxl_and_its_refiner_switching_mid_generation_run_in_openvino_and_match_forge(forge: Forge) -> None:
+    """SDXL base alone: every part (both text encoders, the prompt's weights read) in OpenVINO, Forge's own picture.
+    With the refiner from half-way (``refiner_switch_at``), Forge loads it inside the sampling and samples on with its
+    UNet: that UNet, its text encoder and its VAE run in OpenVINO from there on, and the picture is stock Forge's with
+    the refiner (which moves stock's picture)."""
+    base = request("a castle in the fog, (dramatic sky:1.2)", steps=4)
+    refined = dict(base, refiner_checkpoint=SDXL_REFINER, refiner_switch_at=0.5)
+    with on_checkpoint(forge, SDXL_CHECKPOINT):
+        plain, fast, status = stock_and_fast(forge, base)
+        stock_refined, fast_refined, status_refined = stock_and_fast(forge, refined)
     assert "Model: ovtest-forge-sdxl" in fast.infotexts[0], fast.infotexts[0]
     assert_accelerated(status)
     encoders = {label for label, n in status["calls"].items() if n and label.startswith("clip.")}
     assert encoders == {TEXT_ENCODER, TEXT_ENCODER.replace("clip_l", "clip_g")}, status["calls"]
-    matches(forge, "SDXL, f32", stock, fast, status, MIN_F32_DB)
+    matches(forge, "SDXL, f32", plain, fast, status, MIN_F32_DB)
+
+    assert "Refiner: ovtest-forge-sdxl-refiner" in stock_refined.infotexts[0], stock_refined.infotexts[0]
+    moved = psnr(plain.images[0], stock_refined.images[0])
+    forge.record("forge: SDXL, stock with the refiner against without", moved)
+    assert moved < MIN_F32_DB, moved
+    assert_accelerated(status_refined, parts=("UNet", "TE"))  # (the base's VAE decodes nothing: the refiner's does)
+    assert not status_refined["pytorch"], status_refined["pytorch"]
+    refiner, calls = "ovtest-forge-sdxl-refiner: ", status_refined["calls"]
+    # 4 steps, the refiner from the third: each UNet two calls (cond and uncond in one); the refiner's VAE decodes
+    assert calls[UNET] == 2 and calls[refiner + UNET] == 2, calls
+    assert calls[refiner + VAE_DECODER] == 1 and calls[refiner + TEXT_ENCODER.replace("clip_l", "clip_g")] >= 1, calls
+    switches = "Model switches during the generation: ovtest-forge-sdxl-refiner"
+    assert switches in status_refined["status"], status_refined["status"]
+    matches(forge, "SDXL with the refiner from half-way, f32", stock_refined, fast_refined, status_refined, MIN_F32_DB)
