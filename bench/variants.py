@@ -233,7 +233,8 @@ class StepCacheCall(torch.nn.Module):
     on the feature the full call keeps for ``inputs`` (held as a buffer)."""
 
     def __init__(self, call: torch.nn.Module, shallow: bool, inputs: Sequence[torch.Tensor]) -> None:
-        from ov_accelerate_sd.step_cache import StepCacheSettings, split_unet
+        from ov_accelerate_sd.step_cache import StepCacheSettings
+        from ov_accelerate_sd.unet_split import split_unet
 
         super().__init__()
         self.call = call

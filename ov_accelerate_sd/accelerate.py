@@ -29,7 +29,8 @@ from .backends import Backends
 from .loader import Components
 from .parts import VARYING_DIMS
 from .settings import SDSettings
-from .step_cache import StepCacheRun, split_unet
+from .step_cache import StepCacheRun
+from .unet_split import split_unet
 
 if TYPE_CHECKING:
     from ov_backend import EagerCalls

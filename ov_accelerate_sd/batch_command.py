@@ -102,7 +102,7 @@ def run_batch(parser: argparse.ArgumentParser, args: Any) -> int:
     from .pool import run_until_stopped
     from .progress import Progress
     from .render import RenderTask, tasks_of
-    from .step_cache import StepCacheUnsupported
+    from .unet_split import StepCacheUnsupported
 
     try:
         manifest = Manifest(args.out)

@@ -104,7 +104,7 @@ def run_generate(parser: argparse.ArgumentParser, args: Any) -> int:
     from .pool import LocalPool, run_until_stopped
     from .progress import Progress
     from .render import Renderer, checkpoint_of
-    from .step_cache import StepCacheUnsupported
+    from .unet_split import StepCacheUnsupported
 
     started = time.perf_counter()
     if args.checkpoint is None:

@@ -29,7 +29,8 @@ from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 from ov_accelerate_sd.openvino_entry import PART_NAMES
-from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheUnsupported, UNetSplit, split_unet
+from ov_accelerate_sd.step_cache import StepCacheRun
+from ov_accelerate_sd.unet_split import StepCacheUnsupported, UNetSplit, split_unet
 
 from .backend_bridge import ov_backend
 from .finite_guard import F32Switch, all_finite

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ov_accelerate_sd.step_cache import StepCacheUnsupported, UNetSplit
+from ov_accelerate_sd.unet_split import StepCacheUnsupported, UNetSplit
 
 from .model_parts import Reason
 from .routing import describe

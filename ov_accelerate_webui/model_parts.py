@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
-    from ov_accelerate_sd.step_cache import UNetSplit
+    from ov_accelerate_sd.unet_split import UNetSplit
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class Target:
     """A function of (module, *inputs) compiled in place of the method itself (None: the method), for a method that
     should not be traced as it is (Forge's UNet forward writes into a dict its caller passes)."""
     split: Callable[[nn.Module, int], UNetSplit] | None = None
-    """How step caching splits this UNet at a depth (None: ``ov_accelerate_sd.step_cache.split_unet``, which knows
+    """How step caching splits this UNet at a depth (None: ``ov_accelerate_sd.unet_split.split_unet``, which knows
     LDM/SGM's and diffusers' UNets), e.g. Forge's own UNet."""
     per_call: bool = False
     """Routed for each sampling call by the host's own patch point (Forge's UNet function wrapper) instead of for

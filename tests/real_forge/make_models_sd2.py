@@ -27,8 +27,8 @@ import os
 import sys
 from typing import Any
 
-from make_models import fp16_state, non_degenerate, use_forge
-from make_models_sdxl import open_clip_layout, scaled_vae
+from make_models import fp16_state, non_degenerate, scaled_vae, use_forge
+from make_models_sdxl import open_clip_layout
 
 CHECKPOINT = "ovtest-forge-sd2-v.safetensors"
 SEED = 5

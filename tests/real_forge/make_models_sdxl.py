@@ -31,7 +31,7 @@ import os
 import sys
 from typing import Any
 
-from make_models import fp16_state, non_degenerate, use_forge
+from make_models import fp16_state, non_degenerate, scaled_vae, use_forge
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "real_webui"))
 from vae_approx import write_vae_approx_sdxl  # noqa: E402 (after this folder's make_models: appended, not first)
@@ -102,20 +102,6 @@ def conditioning(encoders: list[Any], tokenizers: list[Any], gen: Any) -> Any:
     assert crossattn.isfinite().all() and means.abs().min() > 0.02, f"conditioning means too close to 0: {means}"
     assert (crossattn[1] - crossattn[3]).abs().mean() > 0.01, "the conditioning does not depend on the prompt"
     return crossattn
-
-
-def scaled_vae(vae: Any, gen: Any) -> float:
-    """The VAE decoder's last conv scaled so that a typical latent decodes to mid-range pixels; the decoded picture's
-    spread, checked (not flat, mostly not clipped)."""
-    import torch
-
-    out = vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / vae.scaling_factor)
-    vae.decoder.conv_out.weight.mul_(0.5 / out.std())
-    vae.decoder.conv_out.bias.zero_()
-    image = ((vae.decode(torch.randn(1, 4, 8, 8, generator=gen) / vae.scaling_factor) + 1) / 2).clamp(0, 1)
-    clipped = float(((image <= 0) | (image >= 1)).float().mean())
-    assert 0.05 < float(image.std()) and clipped < 0.5, f"decoded image std {image.std()}, clipped {clipped}"
-    return float(image.std())
 
 
 def build(seed: int, config: dict[str, Any], repo: str, encoders: dict[str, tuple[str, str]]) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from ov_accelerate_sd.loader import random_components, tiny_config
 from ov_accelerate_sd.openvino_entry import format_entry, split_step_cache
 from ov_accelerate_sd.pnginfo import parse_infotext, read_png_infotext
 from ov_accelerate_sd.settings import build_sd_settings
-from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheSettings, StepCacheUnsupported, split_unet
+from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheSettings
+from ov_accelerate_sd.unet_split import StepCacheUnsupported, split_unet
 
 
 def _unet_call(family: str, unet: torch.nn.Module, size: tuple[int, int], seed: int = 0) -> tuple[tuple, dict]:

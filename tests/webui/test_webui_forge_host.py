@@ -273,7 +273,7 @@ def test_the_host_is_detected_from_what_the_webui_imported(monkeypatch: pytest.M
 
 
 def test_step_caching_refuses_an_ldm_shaped_unet_of_another_module_with_the_reason() -> None:
-    from ov_accelerate_sd.step_cache import StepCacheUnsupported, split_unet
+    from ov_accelerate_sd.unet_split import StepCacheUnsupported, split_unet
 
     unet = nn.Module()
     for name in ("input_blocks", "output_blocks"):

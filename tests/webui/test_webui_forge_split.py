@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheSettings, StepCacheUnsupported
+from ov_accelerate_sd.step_cache import StepCacheRun, StepCacheSettings
+from ov_accelerate_sd.unet_split import StepCacheUnsupported
 from ov_accelerate_webui import forge_unet
 
 
