@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import openvino as ov
 import torch
 
 from ov_backend.files import format_bytes
@@ -33,6 +34,12 @@ MARGIN_BYTES = 256 << 20
 #: Bytes per element of the compiled weights, by inference precision (8-bit weights: the compressed constant
 #: and the plugin's packed copy of it, for a matmul's weights; see :func:`build_bytes` for the others).
 _ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "int8-weights": 2}
+#: What NNCF's INT8 quantization (:func:`ov_backend.quantize.quantize`) adds to the process, in times the model's
+#: float weights at f32: it compiles a statistics model at f32 (a copy of every weight in the plugin's layout) and
+#: keeps rescaled copies of the projections it smooths. Measured 1.54x on SD 1.5's UNet (0.86 B parameters: 4.9 GiB
+#: above the 3.2 GiB of its f32 weights, AMD EPYC Zen 4, NNCF 3.4.0); full-size SDXL's UNet in Forge grew past the
+#: 23.5 GiB machine (docs/memory.md).
+QUANTIZE_FACTOR = 1.6
 
 
 def inference_precision(settings_precision: str, config: dict[str, str], default_hint: str | None) -> str:
@@ -63,13 +70,14 @@ def build_bytes(weight_values: Sequence[torch.Tensor], precision: str, float_pre
     return int(weights * (1 + MARGIN)) + MARGIN_BYTES
 
 
-def shortage(needed: int, memory: SystemMemory | None = None, compressed: int | None = None) -> str | None:
+def shortage(needed: int, memory: SystemMemory | None = None, compressed: int | None = None,
+             what: str = "compile it") -> str | None:
     """Why a build that adds ``needed`` bytes should not start now, or None (it fits, or memory is unknown).
-    ``compressed``: what the build would need with 8-bit weights, named when it would fit."""
+    ``compressed``: what the build would need with 8-bit weights, named when it would fit; ``what``: the work."""
     memory = memory if memory is not None else system_memory()
     if memory is None or needed <= memory.available:
         return None
-    why = (f"not enough memory to compile it: it needs about {format_bytes(needed)} and "
+    why = (f"not enough memory to {what}: it needs about {format_bytes(needed)} and "
            f"{format_bytes(memory.available)} is available")
     if compressed is not None and compressed <= memory.available:
         why += f" (with 8-bit weights, precision 'int8-weights', it would need about {format_bytes(compressed)})"
@@ -94,3 +102,22 @@ def build_shortage(weight_values: Sequence[torch.Tensor], settings_precision: st
     floats = inference_precision("auto", config, default_hint)  # what the uncompressed weights are packed at
     compressed = None if precision == "int8-weights" else build_bytes(weight_values, "int8-weights", floats)
     return shortage(build_bytes(weight_values, precision, floats), memory, compressed=compressed)
+
+
+def quantize_bytes(model: ov.Model) -> int:
+    """Bytes NNCF's quantization of ``model`` is expected to add to the process (:data:`QUANTIZE_FACTOR` times its
+    float constants at f32, plus the margin): its weights may live in a file or in PyTorch's tensors, the copies
+    NNCF's statistics model makes do not."""
+    elements = sum(op.get_byte_size() // max(1, op.get_element_type().size) for op in model.get_ordered_ops()
+                   if op.get_type_name() == "Constant" and op.get_element_type().is_real())
+    return int(elements * 4 * QUANTIZE_FACTOR) + MARGIN_BYTES
+
+
+def quantize_shortage(model: ov.Model, memory: SystemMemory | None = None) -> str | None:
+    """Why ``model`` should not be quantized to INT8 now (NNCF's work would not fit in the memory available), or
+    None. The graph then stays at float: NNCF short of memory would push the process into the kernel's
+    out-of-memory killer, the WebUI with it."""
+    why = shortage(quantize_bytes(model), memory, what="quantize it to INT8")
+    if why is None:
+        return None
+    return why + " (8-bit weights, precision 'int8-weights', need no quantization pass)"

@@ -17,12 +17,13 @@ from typing import Any
 import openvino as ov
 import torch
 
-from ov_backend import convert, quantize
+from ov_backend import convert, memory_guard, quantize
 from ov_backend.build.static import StaticBuilds
 from ov_backend.build.target import BuildTarget
 from ov_backend.inputs import signature_text
 from ov_backend.report import CompileReport, PartitionReport
 from ov_backend.variants import Variant, WeightSet
+from ov_backend.weight_file import give_back_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,11 @@ class Int8Builds:
                 del store.variants[key]
             if released:
                 gc.collect()
+                give_back_freed_memory()
             try:
+                short = self._short_of_memory(calibration.model)
+                if short is not None:
+                    raise quantize.QuantizationError(short)
                 with convert.build_lock():
                     model = quantize.quantize(calibration.model, calibration.samples)
             except quantize.QuantizationError as err:
@@ -159,3 +164,10 @@ class Int8Builds:
             target.context.add_report(report)
             logger.info("%s", report.summary())
         return done
+
+    def _short_of_memory(self, model: ov.Model) -> str | None:
+        """Why ``model`` should not be quantized now (NNCF's work would not fit in the memory available), or None
+        (``BackendSettings.check_memory``, :func:`ov_backend.memory_guard.quantize_shortage`)."""
+        if not self.target.context.settings.check_memory:
+            return None
+        return memory_guard.quantize_shortage(model)

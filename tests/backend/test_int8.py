@@ -252,6 +252,38 @@ def test_a_failed_quantization_keeps_the_graph_at_float_and_says_so(tmp_path, mo
     assert backend.stats()["quantized"] == 0 and not int8_entries(backend)
 
 
+def test_short_of_memory_for_nncf_the_graph_stays_at_float_and_says_why(tmp_path, monkeypatch, caplog):
+    """NNCF's statistics model and its copies need about 1.6x the weights at f32 (full-size SDXL's UNet: 16 GiB):
+    when that is not available the quantization does not start (the kernel would end the WebUI): the graph keeps
+    running at float and the report says why and what needs no quantization pass."""
+    from ov_backend import memory_guard
+    from ov_backend.memory import SystemMemory
+
+    model = ConvAttention().eval()
+    backend = int8_backend(tmp_path / "cache", samples=2)
+    compiled = torch.compile(model, backend=backend)
+    weights = [p.detach() for p in model.parameters()]
+    build = memory_guard.build_bytes(weights, "f32")
+    converted = ov.convert_model(model, example_input=inputs(0))
+    needed = memory_guard.quantize_bytes(converted)
+    elements = sum(w.numel() for w in weights)
+    assert needed - memory_guard.MARGIN_BYTES == pytest.approx(elements * 4 * memory_guard.QUANTIZE_FACTOR, rel=0.02)
+    # enough to compile the float model, not enough for NNCF
+    monkeypatch.setattr(memory_guard, "system_memory", lambda: SystemMemory(8 << 30, (build + needed) // 2))
+    with torch.no_grad():
+        for seed in range(4):
+            x, context = inputs(seed)
+            assert rel_error(compiled(x, context), model(x, context)) < 0.02
+    assert backend.stats()["quantized"] == 0 and not int8_entries(backend)
+    assert backend.stats()["ov_calls"] == 4 and backend.stats()["eager_calls"] == 0  # at float, in OpenVINO
+    [failed] = [r for r in backend.reports if r.route == "int8"]
+    assert "not enough memory to quantize it to INT8" in failed.summary(), failed.summary()
+    assert "precision 'int8-weights', need no quantization pass" in failed.summary()
+    assert "it runs at float" in failed.summary() and "not enough memory to quantize" in caplog.text
+    later = backend.reports[-1]
+    assert later.route != "int8" and "INT8 quantization failed earlier (not enough memory" in later.summary()
+
+
 @pytest.mark.parametrize("explicit", [False, True], ids=["when-full", "calibrate"])
 def test_the_float_model_is_freed_before_nncf_runs(tmp_path, monkeypatch, explicit):
     """NNCF compiles a statistics model of its own: the float model that recorded must not stay beside it
