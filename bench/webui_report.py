@@ -209,6 +209,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", "The whole session's peak of each kind of run, each in a WebUI of its own and under a memory limit: "
               "`python -m bench session`."]
     lines += ["", *goals(results)]
+    lines += not_as_chosen_lines(rows)
     errors = [r for r in rows if "error" in r]
     if errors:
         lines += ["", "## Failures", ""] + [
@@ -216,6 +217,22 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_num(r.get('peak_seen'), '{:.2f}')} GiB, the machine's least available memory "
             f"{_num(r.get('least_available_gib'), '{:.2f}')} GiB)" for r in errors]
     return "\n".join(lines) + "\n"
+
+
+def not_as_chosen_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The requests whose status says a part did not run at the precision the row is named after (at "int8": the
+    UNet left at float, with why), so that no figure passes for what it is not."""
+    found = []
+    for r in rows:
+        status = (r.get("status") or "").splitlines()
+        said = [line for line in status if line.startswith("Not at INT8")]
+        # (a status before that line was added: the graph's own report line)
+        said = said or [line[line.index("INT8 quantization failed"):] for line in status
+                        if "INT8 quantization failed" in line][:1]
+        found += [(r, line) for line in said]
+    if not found:
+        return []
+    return ["", "## Not at the precision chosen", ""] + [f"- {r['mode']} / {r['label']}: {line}" for r, line in found]
 
 
 def request_peak_lines(rows: list[dict[str, Any]], modes: list[str]) -> list[str]:

@@ -57,6 +57,10 @@ def run_status(
             f"Attention in the UNet: scaled dot product, fused by OpenVINO, in place of {attention} (the "
             "WebUI's choice for PyTorch, kept for it)."
         )
+    not_int8 = dict.fromkeys(report.not_int8 for report in reports if report.not_int8)
+    if not_int8:  # the first line names the precision chosen (only the UNet is quantized): say where it did not hold
+        lines.append("Not at INT8: the UNet runs at float in OpenVINO instead, because of " + "; ".join(not_int8)
+                     + ".")
     if switches:
         lines.append("Model switches during the generation: " + "; ".join(switches) + ".")
     if eager:

@@ -74,6 +74,8 @@ class CompileReport:
         trace_seconds: time to trace the graph to aten ops.
         calibrating: at precision "int8", with no INT8 model yet: how many calls run at float and are
             recorded for calibration before quantizing (0 otherwise).
+        not_int8: at precision "int8": why the graph runs at float and will not be quantized for these weights
+            (NNCF failed, or its work would not fit in memory); "" otherwise.
     """
 
     graph: str
@@ -85,6 +87,7 @@ class CompileReport:
     warnings: list[str] = field(default_factory=list)
     trace_seconds: float = 0.0
     calibrating: int = 0
+    not_int8: str = ""
 
     @property
     def quantized(self) -> bool:

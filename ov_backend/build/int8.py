@@ -62,6 +62,7 @@ class Int8Builds:
                 self.target.context.settings.calibration_samples, model, key, sig)
         if calibration.failed is not None:
             report.warnings.append(f"INT8 quantization failed earlier ({calibration.failed}); it runs at float")
+            report.not_int8 = calibration.failed
             return variant
         report.calibrating = calibration.limit
         float_run = variant.run
@@ -146,6 +147,7 @@ class Int8Builds:
                 calibration.failed = str(err)
                 part.in_openvino = False
                 report.warnings.append(f"INT8 quantization failed ({err}); it runs at float")
+                report.not_int8 = str(err)
                 logger.warning("%s: INT8 quantization failed (%s); it runs at float", target.name, err)
             else:
                 calibration.done = True

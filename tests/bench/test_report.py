@@ -186,3 +186,25 @@ def test_a_forge_report_names_forge_and_its_stock_arithmetic():
     assert "against stock Forge's (PyTorch on the CPU, `--always-cpu`" in table
     assert "| first size, batch 1 | 8.00 | 2.00 | 4.00x |" in table
     assert "stock A1111 v1.10.1" in markdown({**results, "settings": {**settings, "webui": "a1111"}})
+
+
+def test_a_row_not_at_the_precision_chosen_is_named_with_why():
+    """At "int8" with NNCF's work too large for the memory, the UNet runs at float: the report says so beside the
+    row's figures, from the status line (or, in a status made before that line existed, the graph's report)."""
+    from bench.webui_report import not_as_chosen_lines
+
+    why = "not enough memory to quantize it to INT8: it needs about 15.6 GiB and 15.4 GiB is available"
+    rows = [
+        {"mode": "int8", "label": "first generation",
+         "status": f"OpenVINO (CPU, int8) on CPU: unet\nNot at INT8: the UNet runs at float in OpenVINO instead, "
+                   f"because of {why}.\n  graph 1: ..."},
+        {"mode": "int8", "label": "same size again",
+         "status": f"OpenVINO\n  graph 1 (x): dynamic; fallbacks: INT8 quantization failed earlier ({why}); it runs at "
+                   "float"},
+        {"mode": "auto", "label": "first generation", "status": "OpenVINO (CPU, auto)\nNothing fell back to PyTorch."},
+    ]
+    lines = not_as_chosen_lines(rows)
+    assert lines[:3] == ["", "## Not at the precision chosen", ""]
+    assert lines[3].startswith("- int8 / first generation: Not at INT8: the UNet runs at float") and why in lines[3]
+    assert lines[4].startswith("- int8 / same size again: INT8 quantization failed earlier (") and why in lines[4]
+    assert len(lines) == 5 and not not_as_chosen_lines(rows[2:])

@@ -48,6 +48,25 @@ def test_int8_without_nncf_makes_the_image_in_pytorch_and_says_what_to_install(
     assert "OpenVINO" not in processed.infotexts[0]
 
 
+def test_short_of_memory_for_nncf_the_unet_stays_at_float_and_the_status_says_so_first(
+    fake_host: Any, extension: Any, int8: Any, monkeypatch: Any
+) -> None:
+    """Quantizing needs about 1.6x the UNet's weights at f32 beside the WebUI (NNCF's statistics model): short of
+    that, the image is still made, the UNet stays at float in OpenVINO, and the status says so under its first
+    line (which names the chosen precision), at this generation and the next."""
+    from ov_backend import memory_guard
+
+    monkeypatch.setattr(memory_guard, "quantize_bytes", lambda model: 1 << 50)
+    processed = extension.run(make_p(fake_host, steps=2), int8)
+    assert len(processed.images) == 1
+    status = extension.last_status
+    line = "Not at INT8: the UNet runs at float in OpenVINO instead, because of not enough memory to quantize it"
+    assert status.splitlines()[1].startswith(line), status
+    assert "Nothing fell back to PyTorch." in status, status
+    extension.run(make_p(fake_host, steps=2), int8)
+    assert line in extension.last_status and "INT8 model" not in extension.last_status, extension.last_status
+
+
 def test_precompile_does_not_calibrate_the_next_generation_does(fake_host: Any, extension: Any, int8: Any) -> None:
     """Pre-compile's 1-step runs are too few to calibrate on: they are recorded, and the next generation
     quantizes on them and its own steps."""
