@@ -16,7 +16,9 @@ What keeps a saved capture honest:
   saved guards must hold, and so must the functions and classes its identity guards named (compared by
   name and code location, as identities differ between processes).
 Anything else, or any failure to capture whole (a graph break), load or save, runs the call as before
-(``torch.compile`` capturing in this process), with the reason logged.
+(``torch.compile`` capturing in this process), with the reason logged. A module class defined inside another
+(Forge's layers, ``ForgeOperations.Linear``...) is known to fail before any tracing (torch cannot save a guard
+on its type): such a method is not captured at all, rather than traced twice (:func:`unsavable_module_type`).
 
 While capturing, the methods a module's own ``__dict__`` replaces are set aside (:func:`routes_set_aside`):
 the routed method of the module itself, and any such replacement on a module passed to the method (step
@@ -86,6 +88,19 @@ def modules_in(value: Any) -> list[torch.nn.Module]:
 
     walk(value)
     return list(found.values())
+
+
+def unsavable_module_type(modules: Iterable[torch.nn.Module]) -> type | None:
+    """The first class, among ``modules`` and everything under them, that a saved capture could not name: one
+    defined inside another class or a function (its ``__qualname__`` is not its ``__name__``, e.g. Forge's
+    ``ForgeOperations.Linear``). Dynamo guards on the type of the modules whose code it traces, and torch refuses
+    to save such a guard, only once the whole trace is done (and then traces again through torch.compile)."""
+    for top in modules:
+        for module in top.modules():
+            cls = type(module)
+            if cls.__qualname__ != cls.__name__:
+                return cls
+    return None
 
 
 def overrides(module: torch.nn.Module) -> list[str]:
@@ -255,6 +270,12 @@ class SavedCaptures:
 
     def _capture(self, key: str, known: list[Any], tried: set[int], args: tuple[Any, ...],
                  kwargs: Mapping[str, Any]) -> Any | None:
+        unsavable = unsavable_module_type([self.module, *modules_in((args, kwargs))])
+        if unsavable is not None:  # known before tracing: the trace would be thrown away
+            self.off = (f"torch cannot save its guard on {unsavable.__module__}.{unsavable.__qualname__}, a class "
+                        "defined inside another")
+            logger.info("%s runs through torch.compile without a saved capture: %s", self._base["method"], self.off)
+            return None
         start = time.perf_counter()
         # the module's own __dict__ holds the replacement, and so may a module passed to the method (e.g. a
         # routed UNet given to a split of its forward): the caller's objects (e.g. a backend), which torch

@@ -360,3 +360,29 @@ def test_a_method_calling_a_routed_module_runs_the_route(tmp_path: Path) -> None
     stats = backend.stats()
     assert stats["captures_made"] == 1 and stats["captures_saved"] == 0, stats
     assert not list((tmp_path / "cache").rglob("*.capture"))
+
+
+class Operations:
+    """Layer classes defined inside another class, as Forge's ``ForgeOperations`` defines its own."""
+
+    class Linear(torch.nn.Linear):
+        pass
+
+
+def test_a_module_of_a_nested_layer_class_is_not_traced_twice(tmp_path: Path) -> None:
+    """torch refuses to save a guard on a class defined inside another, but only after tracing the whole method;
+    such a method runs through torch.compile at once (one trace, not two), and says why it has no saved capture."""
+    from ov_backend.saved_captures import SavedCaptures
+
+    net = torch.nn.Sequential(Operations.Linear(4, 8), torch.nn.SiLU(), Operations.Linear(8, 4)).eval()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="local scope"):  # what tracing it to capture would end in
+            portable.capture(net.forward, (x,), {}, OVBackend({"precision": "f32"}), {})
+        backend = OVBackend({"precision": "f32", "model_caching": True, "cache_dir": str(tmp_path / "cache")})
+        captures = SavedCaptures.of(net.forward, "forward", backend, backend, {})
+        got = captures.call((x,), {}, lambda *a: net(*a) * 1)
+    torch.testing.assert_close(got, net(x))
+    assert captures.off is not None and "Operations.Linear, a class defined inside another" in captures.off
+    assert backend.stats()["capture_seconds"] == 0 and backend.stats()["captures_made"] == 0
+    assert not list((tmp_path / "cache").rglob("*.capture"))
