@@ -7,7 +7,9 @@ Run by the Forge test bed's Python, never by the project's venv. Usage::
 
 Writes ``<models>/Stable-diffusion/ovtest-forge-sdxl.safetensors``, ``ovtest-forge-sdxl-refiner.safetensors`` (the
 refiner: OpenCLIP-bigG alone, as published, see :data:`REFINER_CONFIG`) and a random
-``<models>/VAE-approx/vaeapprox-sdxl.pt`` (Forge's SDXL live previews would download the trained one).
+``<models>/VAE-approx/vaeapprox-sdxl.pt`` (Forge's SDXL live previews would download the trained one). The refiner's
+OpenCLIP-bigG is the base's, weight for weight, as in SDXL 1.0's published checkpoints (both froze the same
+pretrained encoder).
 
 Why Forge loads it as SDXL: huggingface_guess's ``SDXL`` fixes ``model_channels`` 320, linear ``proj_in``,
 ``context_dim`` 2048, ADM input 2816 and the input side's transformer depths ``[0, 0, 2, 2, 10, 10]`` (two residual
@@ -84,10 +86,11 @@ def open_clip_layout(state: dict[str, Any], layers: int) -> dict[str, Any]:
     return out
 
 
-def conditioning(encoders: list[Any], tokenizers: list[Any], gen: Any) -> Any:
-    """Each encoder's position embedding shifted so that its penultimate hidden state (what Forge's SDXL base and
-    refiner condition on: clip skip 2, no final LayerNorm) has a mean of CONDITIONING_MEAN; the conditioning of four
-    prompts (the encoders' states side by side), checked to be non-degenerate and to depend on the prompt."""
+def conditioning(encoders: list[Any], tokenizers: list[Any], gen: Any, shifted: tuple[Any, ...] = ()) -> Any:
+    """Each encoder's position embedding (but those of the encoders in ``shifted``, done already) shifted so that its
+    penultimate hidden state (what Forge's SDXL base and refiner condition on: clip skip 2, no final LayerNorm) has a
+    mean of CONDITIONING_MEAN; the conditioning of four prompts (the encoders' states side by side), checked to be
+    non-degenerate and to depend on the prompt."""
     import torch
 
     prompts = ["", "a lighthouse", "(a red car:1.3)", "blurry"]
@@ -95,7 +98,8 @@ def conditioning(encoders: list[Any], tokenizers: list[Any], gen: Any) -> Any:
     for encoder, tokenizer in zip(encoders, tokenizers):
         tokens = tokenizer(prompts, padding="max_length", max_length=77, return_tensors="pt").input_ids
         hidden = encoder(tokens, output_hidden_states=True).hidden_states[-2]
-        encoder.text_model.embeddings.position_embedding.weight.add_(CONDITIONING_MEAN - hidden.mean())
+        if not any(encoder is done for done in shifted):
+            encoder.text_model.embeddings.position_embedding.weight.add_(CONDITIONING_MEAN - hidden.mean())
         parts.append(encoder(tokens, output_hidden_states=True).hidden_states[-2])
     crossattn = torch.cat(parts, dim=2)
     means = torch.stack([part.mean(dim=(1, 2)) for part in parts])
@@ -104,10 +108,12 @@ def conditioning(encoders: list[Any], tokenizers: list[Any], gen: Any) -> Any:
     return crossattn
 
 
-def build(seed: int, config: dict[str, Any], repo: str, encoders: dict[str, tuple[str, str]]) -> dict[str, Any]:
+def build(seed: int, config: dict[str, Any], repo: str, encoders: dict[str, tuple[str, str]],
+          built: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's tensors (fp16, the layout of SDXL's published base or refiner checkpoint): a UNet of
     ``config``, the text ``encoders`` ({``clip_l`` or ``clip_g``: its model's and its tokenizer's folder in ``repo``})
-    and the VAE of Forge's fixed config ``repo``."""
+    and the VAE of Forge's fixed config ``repo``. An encoder already in ``built`` (kind: model) is that one, as the
+    published refiner's OpenCLIP-bigG is the base's; each new one is added to ``built``."""
     import torch
     import transformers
     from backend.nn.unet import IntegratedUNet2DConditionModel
@@ -119,13 +125,15 @@ def build(seed: int, config: dict[str, Any], repo: str, encoders: dict[str, tupl
     for kind, names in encoders.items():
         folder, tokenizer = (os.path.join(repo, name) for name in names)
         model = transformers.CLIPTextModel if kind == "clip_l" else transformers.CLIPTextModelWithProjection
-        models.append(model(transformers.CLIPTextConfig.from_pretrained(folder)))
+        models.append(built[kind] if kind in built else model(transformers.CLIPTextConfig.from_pretrained(folder)))
         tokenizers.append(transformers.CLIPTokenizer.from_pretrained(tokenizer))
+    shifted = tuple(built.values())
+    built.update(zip(encoders, models))
     vae = IntegratedAutoencoderKL.from_config(IntegratedAutoencoderKL.load_config(os.path.join(repo, "vae")))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         non_degenerate(unet, tuple(models), gen)
-        crossattn = conditioning(models, tokenizers, gen)
+        crossattn = conditioning(models, tokenizers, gen, shifted)
         y = torch.randn(2, config["adm_in_channels"], generator=gen)
         eps = unet(torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([500.0, 500.0]), context=crossattn[1:3], y=y)
         image_std = scaled_vae(vae, gen)
@@ -193,12 +201,13 @@ def main(webui: str, models: str) -> None:
 
     if not os.path.isfile(os.path.join(models, "VAE-approx", "vaeapprox-sdxl.pt")):
         write_vae_approx_sdxl(models)
-    for name, (seed, config, repo, encoders, family) in CHECKPOINTS.items():
-        out = os.path.join(models, "Stable-diffusion", name)
-        if os.path.isfile(out):
-            continue
+    outs = [os.path.join(models, "Stable-diffusion", name) for name in CHECKPOINTS]
+    if all(os.path.isfile(out) for out in outs):
+        return
+    built: dict[str, Any] = {}  # (both are made again: the refiner's bigG is the base's)
+    for out, (seed, config, repo, encoders, family) in zip(outs, CHECKPOINTS.values()):
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        state = build(seed, config, repo, encoders)
+        state = build(seed, config, repo, encoders, built)
         check_guess(state, family, config)
         save_file(state, out + ".part")
         os.replace(out + ".part", out)
