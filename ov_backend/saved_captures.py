@@ -17,8 +17,8 @@ What keeps a saved capture honest:
   name and code location, as identities differ between processes).
 Anything else, or any failure to capture whole (a graph break), load or save, runs the call as before
 (``torch.compile`` capturing in this process), with the reason logged. A module class defined inside another
-(Forge's layers, ``ForgeOperations.Linear``...) is known to fail before any tracing (torch cannot save a guard
-on its type): such a method is not captured at all, rather than traced twice (:func:`unsavable_module_type`).
+(Forge's layers, ``ForgeOperations.Linear``...) is seen before any tracing: torch cannot save a guard on its type,
+so such a method is not captured at all, rather than traced twice (:func:`unsavable_module_type`).
 
 While capturing, the methods a module's own ``__dict__`` replaces are set aside (:func:`routes_set_aside`):
 the routed method of the module itself, and any such replacement on a module passed to the method (step
