@@ -123,6 +123,17 @@ def output_dtype(node: Any) -> torch.dtype | None:
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 
+def still_symbolic(size: Any) -> bool:
+    """Whether ``size`` (a dimension of a dynamo example value) is symbolic in the graph dynamo made.
+
+    Dynamo may give a dimension a symbol and then fix it while it traces: its guards then hold the
+    size to its example value (the graph runs for no other), and a trace with that dimension dynamic
+    fixes it again. A UNet whose skip connections are concatenated fixes the latent's height and width
+    so (dynamo cannot express "a multiple of 8", so it guards the size itself).
+    """
+    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+
+
 @dataclass(frozen=True)
 class GraphFacts:
     """What the builds need to know of a graph's inputs and outputs beyond the graph itself: read
@@ -163,7 +174,7 @@ class GraphFacts:
         output_dtypes = tuple(str(d).replace("torch.", "") if d is not None else None for d in dtypes)
         dims = None
         if symbolic and not scalar_tensors and None not in output_dtypes:
-            found = [[d for d, size in enumerate(values[i].shape) if isinstance(size, torch.SymInt)]
+            found = [[d for d, size in enumerate(values[i].shape) if still_symbolic(size)]
                      if isinstance(values[i], torch.Tensor) else None for i in user_index]
             # a scalar input is baked per value: such a graph is traced per signature instead
             dims = None if any(d is None for d in found) else tuple(tuple(d) for d in found)

@@ -106,6 +106,42 @@ def test_a_size_fixed_while_tracing_is_refused_and_exported_instead(monkeypatch)
     assert len(model.inputs) == 1
 
 
+class WidthBranch(torch.nn.Module):
+    """Layers around a branch on the input's width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Linear(8, 16)
+        self.outer = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.inner(x))
+        if x.shape[1] == 8:
+            h = h * 2
+        return self.outer(torch.relu(h)) + x
+
+
+def test_a_size_dynamo_fixed_stays_static_and_the_graph_is_traced_once(backend, monkeypatch, caplog):
+    """A dimension marked dynamic that dynamo fixed while capturing (its guards run the graph for that size
+    alone) is static in the conversion: the one trace serves, with no failed trace and no export. (The tiny
+    SD UNet at 64 pixels has a 1x1 level: torch fixes sizes of 1, and from them the latent's height and
+    width; its first conversion took 23 s that way, 4 s now.)"""
+    monkeypatch.setattr(torch.export, "export", _no_export)
+    model = WidthBranch().eval()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), caplog.at_level("INFO", logger="ov_backend"):
+        for batch in (2, 3):
+            x = torch.randn(batch, 8)
+            for dim in (0, 1):
+                torch._dynamo.maybe_mark_dynamic(x, dim)
+            torch.testing.assert_close(compiled(x), model(x), atol=F32_ATOL, rtol=F32_RTOL)
+    assert [r.route for r in backend.reports] == ["dynamic", "dynamic"]
+    assert len([r for r in backend.reports if r.convert_seconds > 0]) == 1, [r.summary() for r in backend.reports]
+    assert "symbolic trace failed" not in caplog.text
+    assert backend.stats()["eager_calls"] == 0
+
+
 class Tokens(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
