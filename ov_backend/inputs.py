@@ -128,8 +128,9 @@ def still_symbolic(size: Any) -> bool:
 
     Dynamo may give a dimension a symbol and then fix it while it traces: its guards then hold the
     size to its example value (the graph runs for no other), and a trace with that dimension dynamic
-    fixes it again. A UNet whose skip connections are concatenated fixes the latent's height and width
-    so (dynamo cannot express "a multiple of 8", so it guards the size itself).
+    fixes it again. The tiny SD UNet at 64 pixels is one: its deepest level is 1x1, torch fixes sizes of
+    1, and the skip connections' concatenations then fix the latent's height and width. (The symbol
+    object stays in the example value; its expression, after dynamo's replacements, is the number.)
     """
     return isinstance(size, torch.SymInt) and not size.node.expr.is_number
 
