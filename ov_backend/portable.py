@@ -365,6 +365,20 @@ def mark_varying(tensor: torch.Tensor, dims: Mapping[int, tuple[int, ...]]) -> N
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
+def named_by_path(cls: type) -> bool:
+    """Whether ``cls`` is defined inside another class (``__qualname__`` a dotted path from its module that
+    reaches it, e.g. Forge's ``ForgeOperations.Linear``), not in a function.
+
+    torch refuses to save a guard on the type of such a class (it takes every nested class for one defined
+    in a function, which a name cannot find again); :func:`capture` checks those guards itself, by the class's
+    name, as torch checks a top-level class's on load."""
+    return cls.__qualname__ != cls.__name__ and "<locals>" not in cls.__qualname__ and _importable_as_itself(cls)
+
+
+def _type_by_path(entry: Any) -> bool:
+    return entry.guard_type == "TYPE_MATCH" and entry.has_value and named_by_path(type(entry.value))
+
+
 def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any,
             dynamic: dict[int, tuple[int, ...]] | None = None) -> Capture:
     """Capture ``function`` (e.g. a module's bound ``forward``) for calls like ``function(*args, **kwargs)``
@@ -391,6 +405,10 @@ def capture(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     def keep(entries: Any) -> list[bool]:
         kept = []
         for entry in entries:
+            if _type_by_path(entry):  # checked here, as the identities are: torch would refuse to save it
+                identities[f"type({entry.name})"] = (entry.guard_type, describe(type(entry.value)))
+                kept.append(False)
+                continue
             identity = entry.guard_type in IDENTITY_GUARDS or any(
                 d in IDENTITY_GUARDS for d in entry.derived_guard_types)
             # torch checks a loaded capture's guards on globals against a copy of the globals made when it

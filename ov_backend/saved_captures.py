@@ -17,8 +17,10 @@ What keeps a saved capture honest:
   name and code location, as identities differ between processes).
 Anything else, or any failure to capture whole (a graph break), load or save, runs the call as before
 (``torch.compile`` capturing in this process), with the reason logged. A module class defined inside another
-(Forge's layers, ``ForgeOperations.Linear``...) is seen before any tracing: torch cannot save a guard on its type,
-so such a method is not captured at all, rather than traced twice (:func:`unsavable_module_type`).
+(Forge's layers, ``ForgeOperations.Linear``...) has its type guards checked by its name, as the identities are
+(:func:`portable.named_by_path`); one defined inside a function is seen before any tracing: no name finds it again,
+torch cannot save a guard on its type, so such a method is not captured at all, rather than traced twice
+(:func:`unsavable_module_type`).
 
 While capturing, the methods a module's own ``__dict__`` replaces are set aside (:func:`routes_set_aside`):
 the routed method of the module itself, and any such replacement on a module passed to the method (step
@@ -92,13 +94,14 @@ def modules_in(value: Any) -> list[torch.nn.Module]:
 
 def unsavable_module_type(modules: Iterable[torch.nn.Module]) -> type | None:
     """The first class, among ``modules`` and everything under them, that a saved capture could not name: one
-    defined inside another class or a function (its ``__qualname__`` is not its ``__name__``, e.g. Forge's
-    ``ForgeOperations.Linear``). Dynamo guards on the type of the modules whose code it traces, and torch refuses
-    to save such a guard, only once the whole trace is done (and then traces again through torch.compile)."""
+    defined inside a function (its ``__qualname__`` has ``<locals>``), or nested where its name does not find it.
+    Dynamo guards on the type of the modules whose code it traces, and torch refuses to save such a guard, only
+    once the whole trace is done (and then traces again through torch.compile). A class nested in another class
+    (Forge's ``ForgeOperations.Linear``) is named by its path (:func:`portable.named_by_path`)."""
     for top in modules:
         for module in top.modules():
             cls = type(module)
-            if cls.__qualname__ != cls.__name__:
+            if cls.__qualname__ != cls.__name__ and not portable.named_by_path(cls):
                 return cls
     return None
 
@@ -273,7 +276,7 @@ class SavedCaptures:
         unsavable = unsavable_module_type([self.module, *modules_in((args, kwargs))])
         if unsavable is not None:  # known before tracing: the trace would be thrown away
             self.off = (f"torch cannot save its guard on {unsavable.__module__}.{unsavable.__qualname__}, a class "
-                        "defined inside another")
+                        "defined inside a function")
             logger.info("%s runs through torch.compile without a saved capture: %s", self._base["method"], self.off)
             return None
         start = time.perf_counter()

@@ -146,7 +146,9 @@ def test_lora_on_and_off_matches_forges_own_loader_and_compiles_without_converti
 
 def test_checkpoint_switch_and_back(forge: Forge) -> None:
     """Forge loads another checkpoint into a new model object inside the request: the generation routes that one,
-    names it plainly, and the one it started with is let go; switching back compiles from the disk cache."""
+    names it plainly, and the one it started with is let go; switching back compiles from the disk cache, and
+    dynamo traces nothing: the parts' captures, saved by the first checkpoint of the family, come from the disk
+    cache (as on a restart), though Forge's layer classes are defined inside a class (``ForgeOperations.Linear``)."""
     payload = request("a windmill in a field")
     with on_checkpoint(forge, CHECKPOINT_B):
         stock, fast, status = stock_and_fast(forge, payload)
@@ -159,6 +161,8 @@ def test_checkpoint_switch_and_back(forge: Forge) -> None:
     assert set(status_a["calls"]) == set(status["calls"]), status_a["calls"]  # the routes of one model, unprefixed
     assert not status_a["switches"], status_a["switches"]
     assert status_a["cache_hits"] > 0, status_a["status"]  # A's converted models, from the disk cache
+    assert status_a["captures_loaded"] >= 3 and status_a["captures_made"] == 0, status_a["status"]
+    assert "loaded from the disk cache instead of tracing again" in status_a["status"], status_a["status"]
     matches(forge, "checkpoint A again", stock_a, fast_a, status_a, MIN_F32_DB)
 
 
