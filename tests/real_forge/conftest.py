@@ -3,7 +3,8 @@ folder, driven over HTTP.
 
 Needs the Forge test bed (``bash .ci/testbed``, which ``.ci/test`` runs); without it every test here is skipped
 with the reason, or fails when the bed is required (``OV_REAL_FORGE=require``, which ``.ci/test`` sets when it
-built the bed; unset, ``OV_REAL_WEBUI=require`` requires it too). Each module gets a Forge process of its own.
+built the bed; unset, ``OV_REAL_WEBUI=require`` requires it too). The API-only modules share one Forge process;
+the browser tests get one with its UI.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def started_forge(tmp_path_factory: pytest.TempPathFactory, name: str, ui: bool)
         forge.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def forge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forge]:
-    """Forge, API only, for one module (stopped after it: the A1111 tier that runs next in CI gets the memory)."""
+    """Forge, API only, one process for the tier's modules (stock Forge's, then the extension's: a start and a
+    checkpoint load less); stopped after the tier, so the A1111 tier that runs next in CI gets the memory."""
     yield from started_forge(tmp_path_factory, "forge", ui=False)
 
 
