@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-# Offline, and the derived tokenizer files / demo checkpoint go to a throw-away per-user folder.
+# Offline, and the derived tokenizer files / demo checkpoint go to a throw-away per-user folder, removed when the
+# test process ends (the command-line processes the tests start have ended by then).
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="ov_sd_tests_cache_"))
+if "XDG_CACHE_HOME" not in os.environ:
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ov_sd_tests_cache_")
+    atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
