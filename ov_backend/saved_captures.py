@@ -276,7 +276,7 @@ class SavedCaptures:
         unsavable = unsavable_module_type([self.module, *modules_in((args, kwargs))])
         if unsavable is not None:  # known before tracing: the trace would be thrown away
             self.off = (f"torch cannot save its guard on {unsavable.__module__}.{unsavable.__qualname__}, a class "
-                        "defined inside a function")
+                        "its name does not find again (one defined inside a function)")
             logger.info("%s runs through torch.compile without a saved capture: %s", self._base["method"], self.off)
             return None
         start = time.perf_counter()
